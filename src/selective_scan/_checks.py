@@ -1,0 +1,175 @@
+"""Input validation shared by every public function and every operator implementation.
+
+Checks that only look at ranks, dtypes and devices raise plain Python errors. Checks on sizes go
+through ``torch._check_with`` so that, under ``torch.compile``/``torch.export`` with symbolic
+sizes, they become runtime assertions instead of specializing the graph.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _shape(t: Tensor) -> tuple:
+    return tuple(t.shape)
+
+
+def check_size(cond, message: Callable[[], str]) -> None:
+    """Raise ValueError(message()) unless cond; symbolic conditions become runtime asserts."""
+    torch._check_with(ValueError, cond, message)
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    ranks: tuple[int, ...],
+    dtypes: tuple[torch.dtype, ...] = _FLOAT_DTYPES,
+    device: torch.device | None = None,
+) -> None:
+    """Check that ``t`` is a Tensor of one of ``ranks`` and ``dtypes`` on ``device``."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"selective_scan: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() not in ranks:
+        want = " or ".join(str(r) for r in ranks)
+        raise ValueError(
+            f"selective_scan: {name} must have {want} dimensions, got {t.dim()} (shape {_shape(t)})"
+        )
+    if t.dtype not in dtypes:
+        want = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(
+            f"selective_scan: {name} must have dtype in ({want}), got "
+            f"{str(t.dtype).replace('torch.', '')}"
+        )
+    if device is not None and t.device != device:
+        raise ValueError(
+            f"selective_scan: {name} is on {t.device} but u is on {device}; "
+            "all tensors must be on the same device"
+        )
+
+
+def check_dims(name: str, t: Tensor, expected: tuple, labels: str) -> None:
+    """Check t.shape == expected one dimension at a time (None matches any size).
+
+    One check per dimension keeps symbolic sizes symbolic (no Python ``and`` forces a guard),
+    and the message is only formatted when a check fails.
+    """
+    for actual, want in zip(t.shape, expected, strict=True):
+        if want is not None:
+            check_size(
+                actual == want,
+                lambda: (
+                    f"selective_scan: {name} must have shape {labels} = "
+                    f"{tuple('*' if w is None else w for w in expected)}, got {_shape(t)}"
+                ),
+            )
+
+
+def _check_bc(name: str, t: Tensor, batch, dim, dstate, seqlen, device) -> None:
+    """B and C: constant (dim, dstate), variable (batch, dstate, seqlen) or grouped
+    (batch, groups, dstate, seqlen) with groups dividing dim."""
+    check_tensor(name, t, (2, 3, 4), device=device)
+    forms = {
+        2: ((dim, dstate), "(dim, dstate)"),
+        3: ((batch, dstate, seqlen), "(batch, dstate, seqlen)"),
+        4: ((batch, None, dstate, seqlen), "(batch, groups, dstate, seqlen)"),
+    }
+    expected, labels = forms[t.dim()]
+    check_dims(name, t, expected, labels)
+    if t.dim() == 4:
+        groups = t.shape[1]
+        message = lambda: f"selective_scan: {name} has {groups} groups, which must divide dim={dim}"  # noqa: E731
+        check_size(groups >= 1, message)
+        check_size(dim % groups == 0, message)
+
+
+def check_scan_inputs(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    initial_state: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+) -> None:
+    """Validate the arguments of the selective scan; raise a clear error naming the argument.
+
+    u, delta, z: (batch, dim, seqlen); A: (dim, dstate); B, C: (dim, dstate),
+    (batch, dstate, seqlen) or (batch, groups, dstate, seqlen); D, delta_bias: (dim,);
+    initial_state: (batch, dim, dstate), or (num_seqs, dim, dstate) with
+    cu_seqlens: (num_seqs + 1,) int32/int64 (batch must be 1).
+    """
+    check_tensor("u", u, (3,))
+    device = u.device
+    batch, dim, seqlen = u.shape
+    for size in (batch, dim, seqlen):
+        check_size(
+            size >= 1,
+            lambda: f"selective_scan: u must be non-empty (batch, dim, seqlen), got {_shape(u)}",
+        )
+    check_tensor("delta", delta, (3,), device=device)
+    check_dims("delta", delta, (batch, dim, seqlen), "(batch, dim, seqlen)")
+    check_tensor("A", A, (2,), device=device)
+    dstate = A.shape[1]
+    check_dims("A", A, (dim, None), "(dim, dstate)")
+    check_size(dstate >= 1, lambda: f"selective_scan: A must have dstate >= 1, got {_shape(A)}")
+    _check_bc("B", B, batch, dim, dstate, seqlen, device)
+    _check_bc("C", C, batch, dim, dstate, seqlen, device)
+    for name, t in (("D", D), ("delta_bias", delta_bias)):
+        if t is not None:
+            check_tensor(name, t, (1,), device=device)
+            check_dims(name, t, (dim,), "(dim,)")
+    if z is not None:
+        check_tensor("z", z, (3,), device=device)
+        check_dims("z", z, (batch, dim, seqlen), "(batch, dim, seqlen)")
+    num_states = batch
+    if cu_seqlens is not None:
+        check_tensor("cu_seqlens", cu_seqlens, (1,), dtypes=_INDEX_DTYPES, device=device)
+        check_size(
+            batch == 1,
+            lambda: (
+                "selective_scan: with cu_seqlens the sequences are packed along seqlen and "
+                f"batch must be 1, got u of shape {_shape(u)}"
+            ),
+        )
+        check_size(
+            cu_seqlens.shape[0] >= 2,
+            lambda: (
+                "selective_scan: cu_seqlens must have shape (num_seqs + 1,) with "
+                f"num_seqs >= 1, got {_shape(cu_seqlens)}"
+            ),
+        )
+        num_states = cu_seqlens.shape[0] - 1
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, (3,), device=device)
+        labels = "(num_seqs, dim, dstate)" if cu_seqlens is not None else "(batch, dim, dstate)"
+        check_dims("initial_state", initial_state, (num_states, dim, dstate), labels)
+
+
+def check_cu_seqlens_values(cu_seqlens: Tensor, seqlen: int) -> list[int]:
+    """Read cu_seqlens to the host and check it is 0 = c0 <= c1 <= ... <= c_last = seqlen."""
+    values = cu_seqlens.tolist()
+    if values[0] != 0 or values[-1] != seqlen:
+        raise ValueError(
+            f"selective_scan: cu_seqlens must start at 0 and end at seqlen={seqlen}, got "
+            f"{values[0]} ... {values[-1]}"
+        )
+    if any(b < a for a, b in itertools.pairwise(values)):
+        raise ValueError("selective_scan: cu_seqlens must be non-decreasing")
+    return values
+
+
+def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """float64 when any input is float64 (so gradcheck runs through the op), else float32."""
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32

@@ -1,0 +1,75 @@
+"""Public entry points of the selective scan, and the choice of backend."""
+
+from __future__ import annotations
+
+import os
+
+from torch import Tensor
+
+from . import ops
+
+_BACKENDS = ("auto", "triton", "torch")
+
+
+def use_triton(u: Tensor) -> bool:
+    """Whether the Triton kernels run for inputs like ``u``.
+
+    SELECTIVE_SCAN_BACKEND=auto (default) picks Triton for CUDA tensors when triton is
+    installed; ``triton`` forces it (CPU tensors then need TRITON_INTERPRET=1); ``torch``
+    forces the chunked PyTorch implementation on every device.
+    """
+    backend = os.environ.get("SELECTIVE_SCAN_BACKEND", "auto")
+    if backend not in _BACKENDS:
+        raise ValueError(
+            f"selective_scan: SELECTIVE_SCAN_BACKEND must be one of {_BACKENDS}, got {backend!r}"
+        )
+    if backend == "auto":
+        return u.is_cuda and ops.HAS_TRITON
+    return backend == "triton"
+
+
+def scan_ops(u: Tensor):
+    """(forward op, backward op) of the backend chosen for ``u``."""
+    if use_triton(u):
+        return ops.triton_ops()
+    return ops.scan_fwd, ops.scan_bwd
+
+
+def selective_scan_fn(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+    initial_state: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Selective scan (Mamba's S6 recurrence); drop-in for mamba_ssm's ``selective_scan_fn``.
+
+    u, delta, z: (batch, dim, seqlen) float32/float16/bfloat16; A: (dim, dstate) float32;
+    B, C: constant (dim, dstate), variable (batch, dstate, seqlen) or grouped
+    (batch, groups, dstate, seqlen); D, delta_bias: (dim,) float32.
+
+    delta <- softplus(delta + delta_bias) if delta_softplus;
+    h_t = exp(delta_t * A) * h_{t-1} + delta_t * B_t * u_t;  y_t = sum_n C_t h_t + D * u_t;
+    out = y * silu(z). Arithmetic in float32 (float64 for float64 inputs).
+
+    Returns out (batch, dim, seqlen) in u's dtype, and with return_last_state also
+    last_state (batch, dim, dstate) float32, whose gradient is propagated when used.
+
+    Beyond mamba_ssm: ``initial_state`` (batch, dim, dstate) starts the scan from a given,
+    differentiable state; ``cu_seqlens`` (num_seqs + 1,) int32/int64 marks packed sequences
+    along seqlen (batch must be 1): the state restarts at each boundary (from
+    ``initial_state[i]`` of shape (num_seqs, dim, dstate) when given) and last_state is
+    (num_seqs, dim, dstate).
+    """
+    fwd, _ = scan_ops(u)
+    out, last_state, _ = fwd(
+        u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus
+    )
+    return (out, last_state) if return_last_state else out

@@ -1,0 +1,113 @@
+"""The ``selective_scan`` operators: schemas, fake implementations and autograd.
+
+Two families with identical schemas:
+
+* ``selective_scan::scan_fwd`` / ``scan_bwd``: the chunked PyTorch implementation (cpu.py). A
+  ``custom_op``, opaque to the compiler; it runs on any device and is the CPU path.
+* ``selective_scan::scan_fwd_triton`` / ``scan_bwd_triton``: the Triton kernels (kernels/). A
+  ``triton_op``, so Inductor and AOTInductor compile the kernels into their generated code.
+  Registered only where triton imports.
+
+Forward: (u, delta, A, B, C, D?, z?, delta_bias?, initial_state?, cu_seqlens?, delta_softplus)
+-> (out, last_state, checkpoints). Backward: (dout, dlast_state?, <the forward's tensor inputs>,
+checkpoints, delta_softplus) -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state),
+where the gradient of an absent optional input is an empty tensor (schemas have fixed arity).
+
+Every output is freshly allocated and contiguous, in the kernels and in the fakes alike, so fake
+and real tensors agree on shape, strides and dtype for every option and length. The forward
+returns the per-chunk state checkpoints the backward needs; ``selective_scan_fn`` drops them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cpu
+from ._checks import check_scan_inputs, compute_dtype
+
+
+def fwd_fake(chunk: int):
+    """Fake forward for a backend whose checkpoint interval is ``chunk`` steps."""
+
+    def fake(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus):
+        check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
+        cdt = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+        batch, dim, seqlen = u.shape
+        dstate = A.shape[1]
+        num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        return (
+            u.new_empty(u.shape),
+            u.new_empty((num_states, dim, dstate), dtype=cdt),
+            u.new_empty((batch, dim, (seqlen + chunk - 1) // chunk, dstate), dtype=cdt),
+        )
+
+    return fake
+
+
+def bwd_fake(
+    dout, dlast_state, u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens,
+    checkpoints, delta_softplus,
+):  # fmt: skip
+    check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
+    return tuple(
+        u.new_empty((0,)) if t is None else t.new_empty(t.shape)
+        for t in (u, delta, A, B, C, D, z, delta_bias, initial_state)
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    *tensors, delta_softplus = inputs
+    ctx.save_for_backward(*tensors, output[2])
+    ctx.delta_softplus = delta_softplus
+    ctx.set_materialize_grads(False)
+
+
+def _make_backward(bwd_op):
+    def backward(ctx, dout, dlast_state, _dcheckpoints):
+        *inputs, checkpoints = ctx.saved_tensors
+        u = inputs[0]
+        if dout is None:
+            dout = torch.zeros_like(u)
+        grads = bwd_op(dout, dlast_state, *inputs, checkpoints, ctx.delta_softplus)
+        # Optional inputs that were None get None; cu_seqlens and delta_softplus get no gradient.
+        grads = [None if t is None else g for g, t in zip(grads, inputs, strict=False)]
+        return (*grads, None, None)
+
+    return backward
+
+
+scan_fwd = torch.library.custom_op("selective_scan::scan_fwd", cpu.scan_fwd, mutates_args=())
+scan_bwd = torch.library.custom_op("selective_scan::scan_bwd", cpu.scan_bwd, mutates_args=())
+scan_fwd.register_fake(fwd_fake(cpu.CHUNK))
+scan_bwd.register_fake(bwd_fake)
+scan_fwd.register_autograd(_make_backward(scan_bwd), setup_context=_setup_context)
+
+
+def _register_triton():
+    """Register the Triton family; returns (fwd, bwd) or None where triton is missing."""
+    try:
+        from .kernels import scan as triton_scan
+    except ImportError:
+        return None
+    fwd = torch.library.triton_op(
+        "selective_scan::scan_fwd_triton", triton_scan.scan_fwd, mutates_args=()
+    )
+    bwd = torch.library.triton_op(
+        "selective_scan::scan_bwd_triton", triton_scan.scan_bwd, mutates_args=()
+    )
+    fwd.register_autograd(_make_backward(bwd), setup_context=_setup_context)
+    return fwd, bwd
+
+
+_triton_ops = _register_triton()
+HAS_TRITON = _triton_ops is not None
+
+
+def triton_ops() -> tuple:
+    """(scan_fwd_triton, scan_bwd_triton); raises where triton is not installed."""
+    if _triton_ops is None:
+        raise RuntimeError(
+            "selective_scan: the triton backend needs the 'triton' package (it ships with CUDA "
+            "builds of torch); install it or set SELECTIVE_SCAN_BACKEND=torch"
+        )
+    return _triton_ops

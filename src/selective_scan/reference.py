@@ -1,0 +1,96 @@
+"""The plain-PyTorch selective scan: a readable sequential loop, used as the oracle in tests."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._checks import check_cu_seqlens_values, check_scan_inputs, compute_dtype
+
+
+def expand_bc(t: Tensor, batch: int, dim: int, seqlen: int) -> Tensor:
+    """B or C in any accepted form -> (batch, dim, dstate, seqlen), broadcast without copying."""
+    if t.dim() == 2:  # constant (dim, dstate)
+        return t[None, :, :, None].expand(batch, dim, t.shape[1], seqlen)
+    if t.dim() == 3:  # variable (batch, dstate, seqlen)
+        t = t.unsqueeze(1)
+    groups = t.shape[
+        1
+    ]  # grouped (batch, groups, dstate, seqlen): channel c uses group c // (dim // groups)
+    return t.repeat_interleave(dim // groups, dim=1)
+
+
+def _scan_one(u, delta, A, B, C, h):
+    """Sequential recurrence; u, delta: (batch, dim, L); B, C: (batch, dim, dstate, L)."""
+    decay = torch.exp(delta.unsqueeze(-1) * A[:, None, :])  # (batch, dim, L, dstate)
+    inputs = (delta * u).unsqueeze(-1) * B.transpose(-1, -2)
+    ys = [u.new_zeros((*u.shape[:2], 0))]  # keeps torch.cat valid for empty sequences
+    for t in range(u.shape[-1]):
+        h = decay[:, :, t] * h + inputs[:, :, t]
+        ys.append((h * C[..., t]).sum(-1, keepdim=True))
+    return torch.cat(ys, dim=-1), h
+
+
+def selective_scan_ref(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+    initial_state: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Reference selective scan, same signature and semantics as :func:`selective_scan_fn`.
+
+    u, delta, z: (batch, dim, seqlen); A: (dim, dstate); B, C: (dim, dstate),
+    (batch, dstate, seqlen) or (batch, groups, dstate, seqlen); D, delta_bias: (dim,);
+    initial_state: (batch, dim, dstate), or (num_seqs, dim, dstate) with packed sequences
+    delimited by cu_seqlens (num_seqs + 1,).
+
+    h_t = exp(delta_t * A) * h_{t-1} + delta_t * B_t * u_t;  y_t = sum_n C_t h_t + D u_t;
+    out = y * silu(z). Computes in float32 (float64 if any input is float64) and returns out in
+    u's dtype, plus last_state (batch or num_seqs, dim, dstate) when return_last_state.
+    Differentiable by autograd through every input.
+    """
+    check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
+    cdt = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    batch, dim, seqlen = u.shape
+    dstate = A.shape[1]
+    uc, dt = u.to(cdt), delta.to(cdt)
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(cdt)[:, None]
+    if delta_softplus:
+        dt = F.softplus(dt)  # threshold 20, as in the CUDA kernel
+    Bx = expand_bc(B.to(cdt), batch, dim, seqlen)
+    Cx = expand_bc(C.to(cdt), batch, dim, seqlen)
+    A = A.to(cdt)
+
+    if cu_seqlens is None:
+        h0 = uc.new_zeros(batch, dim, dstate) if initial_state is None else initial_state.to(cdt)
+        y, last = _scan_one(uc, dt, A, Bx, Cx, h0)
+    else:
+        bounds = check_cu_seqlens_values(cu_seqlens, seqlen)
+        ys, lasts = [], []
+        for i, (start, end) in enumerate(itertools.pairwise(bounds)):
+            h0 = uc.new_zeros(1, dim, dstate) if initial_state is None else initial_state[i : i + 1]
+            piece = slice(start, end)
+            y_i, h_i = _scan_one(
+                uc[..., piece], dt[..., piece], A, Bx[..., piece], Cx[..., piece], h0.to(cdt)
+            )
+            ys.append(y_i)
+            lasts.append(h_i)
+        y, last = torch.cat(ys, dim=-1), torch.cat(lasts, dim=0)
+
+    out = y if D is None else y + uc * D.to(cdt)[:, None]
+    if z is not None:
+        out = out * F.silu(z.to(cdt))
+    out = out.to(u.dtype)
+    return (out, last) if return_last_state else out
