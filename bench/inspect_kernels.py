@@ -1,0 +1,124 @@
+"""Compile the Triton kernels for an H100/H200 (sm_90) on a machine without a GPU, and report
+what costs no device time: registers, spills, shared memory, and a histogram of the SASS
+instructions of each kernel (MUFU = special-function unit, SHFL = lane shuffles, LDG/STG =
+global loads/stores, BAR = barriers).
+
+    python bench/inspect_kernels.py [--shape S1] [--dtype bf16] [--sass out.sass]
+
+The launchers run on CPU tensors of the requested shape with ``wrap_triton`` swapped for a
+recorder, so the kernels are specialised exactly as on the GPU (dtypes, constexprs, 16-byte
+divisibility of pointers and strides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import SHAPES, make_bench_inputs
+
+from selective_scan.kernels import scan
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+class _Recorder:
+    """Stands in for torch.library.wrap_triton: records launches instead of running them."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __call__(self, kernel):
+        recorder = self
+
+        class _Launch:
+            def __getitem__(self, grid):
+                def run(*args, **kwargs):
+                    recorder.launches.append((kernel, grid, args, kwargs))
+
+                return run
+
+        return _Launch()
+
+
+def compile_sm90(kernel, args, kwargs):
+    """Compile a JIT kernel for sm_90 with the specialisation these arguments would get."""
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(
+        backend, kwargs, bound_args, specialization, options
+    )
+    src = triton.compiler.ASTSource(kernel, signature, constexprs, attrs)
+    return triton.compile(src, target=TARGET, options=options.__dict__)
+
+
+def sass_histogram(cubin: bytes, path: Path) -> collections.Counter:
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    path.write_bytes(cubin)
+    text = subprocess.run([str(nvdisasm), "-c", str(path)], capture_output=True, text=True).stdout
+    path.with_suffix(".sass").write_text(text)
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", text)
+    return collections.Counter(op for op in ops)
+
+
+def resource_usage(cubin: Path) -> str:
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    text = subprocess.run(
+        [str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True
+    ).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text)
+    return "regs={} stack={} shared={} local={}".format(*found.groups()) if found else text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="S1", choices=sorted(SHAPES))
+    parser.add_argument("--dtype", default=None, help="override the shape's dtype")
+    parser.add_argument("--out", default="/tmp/selective_scan_sass")
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    recorder = _Recorder()
+    scan.wrap_triton = recorder
+    scan._fast_math = lambda u, cdt: cdt == torch.float32  # as on a GPU
+    inputs = make_bench_inputs(args.shape, device="cpu", dtype=args.dtype, small_seqlen=256)
+    out, _, ckpt = scan.scan_fwd(**inputs)
+    scan.scan_bwd(
+        torch.randn_like(out),
+        None,
+        **{k: v for k, v in inputs.items() if k != "delta_softplus"},
+        checkpoints=ckpt,
+        delta_softplus=inputs["delta_softplus"],
+    )
+    for kernel, grid, kargs, kkwargs in recorder.launches:
+        compiled = compile_sm90(kernel, kargs, kkwargs)
+        md = compiled.metadata
+        hist = sass_histogram(compiled.asm["cubin"], out_dir / f"{kernel.__name__}.cubin")
+        (out_dir / f"{kernel.__name__}.ttgir").write_text(compiled.asm["ttgir"])
+        (out_dir / f"{kernel.__name__}.ptx").write_text(compiled.asm["ptx"])
+        print(
+            f"{kernel.__name__}: warps={md.num_warps} shared={md.shared} grid={grid} "
+            f"{resource_usage(out_dir / f'{kernel.__name__}.cubin')}"
+        )
+        top = ", ".join(f"{op}:{n}" for op, n in hist.most_common(40))
+        print(f"  SASS ({sum(hist.values())} instructions): {top}")
+    print(f"cubin/sass/ttgir/ptx written to {out_dir}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_INTERPRET", "0")
+    main()

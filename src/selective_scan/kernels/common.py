@@ -1,0 +1,100 @@
+"""Triton helpers shared by the scan kernels.
+
+Tile layout. Every per-step tensor is a [BD, NS, T] tile: BD channels, NS lanes that split the
+states of a channel, T time steps. Loads are built so that T is the contiguous axis of one
+128-bit vector, which makes Triton keep all T steps of a (channel, lane) in one thread: the
+recurrence along time is then a plain in-thread loop, and picking step t or state i with a
+compile-time index folds to a register read (`pick`, `put`). The states of a channel are split
+as n = lane * NI + i: NI states per thread, NS threads per channel.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def combine(a1, x1, a2, x2):
+    """Compose two steps h -> a h + x (first (a1, x1), then (a2, x2))."""
+    return a1 * a2, a2 * x1 + x2
+
+
+@triton.jit
+def pick(tile, idx, i):
+    """tile[:, :, i] for a compile-time i, as [BD, NS]; idx is arange over the last axis.
+
+    Summing with -0.0 elsewhere is exact (x + -0.0 == x), so the compiler folds it away."""
+    return tl.sum(tl.where(idx == i, tile, -0.0), axis=2)
+
+
+@triton.jit
+def put(tile, idx, i, value):
+    """tile with tile[:, :, i] = value ([BD, NS]) for a compile-time i."""
+    return tl.where(idx == i, value[:, :, None], tile)
+
+
+@triton.jit
+def shift_left(tile, idx, T: tl.constexpr):
+    """out[..., t] = tile[..., t + 1], and 0 at t = T - 1 (an in-thread register move)."""
+    out = tl.zeros_like(tile)
+    for t in tl.static_range(T - 1):
+        out = put(out, idx, t, pick(tile, idx, t + 1))
+    return out
+
+
+@triton.jit
+def exp(x):
+    """e^x: one ex2.approx (MUFU) instruction in float32, exact in float64."""
+    if x.dtype == tl.float64:
+        return tl.exp(x)
+    return tl.math.exp2(x * LOG2E)
+
+
+@triton.jit
+def _mufu(x, instruction: tl.constexpr):
+    return tl.inline_asm_elementwise(
+        instruction, "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def log(x, FAST: tl.constexpr):
+    """ln x. FAST (float32 on a GPU, never in the interpreter): one MUFU lg2.approx, relative
+    error below 2^-22, where Triton's own log is a ~20-instruction polynomial."""
+    if FAST:
+        return _mufu(x, "lg2.approx.ftz.f32 $0, $1;") * LN2
+    return tl.log(x)
+
+
+@triton.jit
+def reciprocal(x, FAST: tl.constexpr):
+    """1 / x. FAST: one MUFU rcp.approx (div.full.f32 adds range fix-ups). Else exact division
+    (tl.fdiv with a tensor numerator: with a scalar one it computes in float32 for float64 x)."""
+    if FAST:
+        return _mufu(x, "rcp.approx.ftz.f32 $0, $1;")
+    return tl.fdiv(tl.full(x.shape, 1.0, x.dtype), x, ieee_rounding=True)
+
+
+@triton.jit
+def softplus(x, FAST: tl.constexpr):
+    """log(1 + e^x), and x above 20 as in mamba. log1p(e) = log(w) * e / (w - 1) with
+    w = 1 + e (Kahan) keeps the relative precision of tiny results."""
+    e = exp(x)
+    w = 1.0 + e
+    log1p = tl.where(w == 1.0, e, log(w, FAST) * e * reciprocal(w - 1.0, FAST))
+    return tl.where(x > 20.0, x, log1p)
+
+
+@triton.jit
+def sigmoid(x, FAST: tl.constexpr):
+    return reciprocal(1.0 + exp(-x), FAST)
+
+
+@triton.jit
+def time_tile(base, t, t_stride, mask, ACC: tl.constexpr):
+    """Load [BD, NS, T] from base ([BD, NS, 1] pointers) + t ([1, 1, T]) * t_stride, masked
+    to 0, as ACC. Bases carry the NS axis even when they don't vary along it (u, delta, z), so
+    that every time tile comes out in the same layout: no conversion inside the loop."""
+    return tl.load(base + t * t_stride, mask=mask, other=0.0).to(ACC)

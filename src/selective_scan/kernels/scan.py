@@ -1,0 +1,229 @@
+"""Launchers of the Triton scan kernels: the bodies of the ``*_triton`` ops.
+
+They only allocate outputs and launch kernels through ``wrap_triton`` (no data-dependent
+Python), so Inductor can trace them and compile the kernels into its generated code.
+
+Memory: the forward saves nothing beyond its outputs; checkpoints hold the state every CKPT
+steps, batch * dim * ceil(seqlen / CKPT) * dstate float32 (for CKPT = 128, dstate = 16 that is
+0.5 bytes per (batch, dim, step), a quarter of a bf16 input). The backward's scratch adds
+fp32 partial sums of dB/dC per block of channels: batch * ceil(dim / BD) * dstate * seqlen * 4
+bytes each for variable B/C, and the entry states of the tiles of one chunk per program.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+from torch import Tensor
+from torch.library import wrap_triton
+
+from .._checks import check_scan_inputs, compute_dtype
+from .scan_bwd import _scan_bwd_kernel
+from .scan_fwd import _scan_fwd_kernel
+
+CKPT = 128  # checkpoint interval (steps) of the Triton backend
+
+
+def num_chunks(seqlen):
+    return (seqlen + CKPT - 1) // CKPT
+
+
+def _tl_dtype(dtype: torch.dtype):
+    return triton.language.float64 if dtype == torch.float64 else triton.language.float32
+
+
+def bc_blocks(t: Tensor, T: int, NP: int, dtype: torch.dtype) -> Tensor:
+    """Variable B or C (batch, [groups,] dstate, seqlen), any strides -> contiguous
+    (batch, groups, ceil(seqlen / T), NP, T) in dtype, zero-padded in time and states: every
+    (tile, state) row is T contiguous values the kernels load without masks or conversion.
+    Costs one pass over B (batch * groups * dstate * seqlen elements, small next to u)."""
+    t4 = t if t.dim() == 4 else t.unsqueeze(1)
+    batch, groups, dstate, seqlen = t4.shape
+    tiles = (seqlen + T - 1) // T
+    padded = torch.nn.functional.pad(t4, (0, tiles * T - seqlen, 0, NP - dstate))
+    blocks = t.new_empty((batch, groups, tiles, NP, T), dtype=dtype)
+    blocks.copy_(padded.view(batch, groups, NP, tiles, T).transpose(2, 3))
+    return blocks
+
+
+def _bc_args(t: Tensor, blocks: Tensor | None, dim) -> tuple:
+    """(tensor, groups, channels per group, channel stride, state stride) for the kernels:
+    pre-blocked variable B/C (strides implied by the block layout), or constant (dim, dstate)."""
+    if blocks is None:
+        return t, 1, 1, t.stride(0), t.stride(1)
+    return blocks, blocks.shape[1], dim // blocks.shape[1], 0, 0
+
+
+def _fast_math(u: Tensor, cdt: torch.dtype) -> bool:
+    """Use MUFU approximations (inline PTX) for log: float32 on a GPU, not the interpreter."""
+    return u.is_cuda and cdt == torch.float32 and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _strides3(t: Tensor | None) -> tuple:
+    return (0, 0, 0) if t is None else tuple(t.stride())
+
+
+def config(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor) -> dict:
+    """Tiles: T steps per thread (one 128-bit vector of the input dtype), the padded states
+    split as NS lanes x NI per thread, BD channels per program (one warp). For variable B/C,
+    BD divides the channels of a group, so that a block's dB/dC partial sums belong to one
+    group."""
+    T = max(16 // torch.empty((), dtype=dtype).element_size(), 4)
+    NS = 1
+    NI = triton.next_power_of_2(dstate) // NS
+    BD = 32
+    for t in (B, C):
+        if t.dim() == 4:
+            per_group = dim // t.shape[1]
+            BD = min(BD, per_group & -per_group)  # largest power of two dividing it
+    return dict(BD=BD, NS=NS, NI=NI, T=T, num_warps=1)
+
+
+def _flags(B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus, cfg, u, cdt):
+    return dict(
+        NS=cfg["NS"], NI=cfg["NI"], BD=cfg["BD"], T=cfg["T"], CKPT=CKPT,
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+        SOFTPLUS=delta_softplus, HAS_H0=initial_state is not None,
+        VARLEN=cu_seqlens is not None, B_VAR=B.dim() > 2, C_VAR=C.dim() > 2,
+        ACC=_tl_dtype(cdt), FAST=_fast_math(u, cdt), num_warps=cfg["num_warps"],
+    )  # fmt: skip
+
+
+def scan_fwd(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    delta_bias: Tensor | None,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    delta_softplus: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Triton forward: (out (batch, dim, seqlen) in u's dtype, last_state (batch or num_seqs,
+    dim, dstate), checkpoints (batch, dim, ceil(seqlen / CKPT), dstate)), float32 states."""
+    check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
+    cdt = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    batch, dim, seqlen = u.shape
+    dstate = A.shape[1]
+    num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    out = u.new_empty(u.shape)
+    last = u.new_empty((num_states, dim, dstate), dtype=cdt)
+    ckpt = u.new_empty((batch, dim, num_chunks(seqlen), dstate), dtype=cdt)
+    cfg = config(dim, dstate, u.dtype, B, C)
+    NP = cfg["NS"] * cfg["NI"]
+    Bb, *sB = _bc_args(B, bc_blocks(B, cfg["T"], NP, cdt) if B.dim() > 2 else None, dim)
+    Cb, *sC = _bc_args(C, bc_blocks(C, cfg["T"], NP, cdt) if C.dim() > 2 else None, dim)
+    grid = (triton.cdiv(dim, cfg["BD"]), num_states)
+    wrap_triton(_scan_fwd_kernel)[grid](
+        u, delta, A, Bb, Cb, D, z, delta_bias, initial_state, cu_seqlens,
+        out, last, ckpt,
+        dim, seqlen,
+        *u.stride(), *delta.stride(), *_strides3(z), *A.stride(),
+        triton.cdiv(seqlen, cfg["T"]), *sB, *sC,
+        0 if D is None else D.stride(0), 0 if delta_bias is None else delta_bias.stride(0),
+        *_strides3(initial_state), out.stride(0), out.stride(1),
+        ckpt.stride(0), ckpt.stride(1), ckpt.stride(2), last.stride(0), last.stride(1),
+        DSTATE=dstate,
+        **_flags(B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus, cfg, u, cdt),
+    )  # fmt: skip
+    return out, last, ckpt
+
+
+def _fresh(t: Tensor, like: Tensor) -> Tensor:
+    """t as a new contiguous tensor with like's shape and dtype (no aliasing, stable strides)."""
+    out = like.new_empty(like.shape)
+    out.view(t.shape).copy_(t)
+    return out
+
+
+def _reduce_bc_grad(part: Tensor, t: Tensor, dim, dstate) -> Tensor:
+    """dB or dC from per-block partial sums: variable (batch, blocks, NP, seqlen) summed over
+    the blocks of each group; constant (num_states, dim, NP) summed over sequences."""
+    if t.dim() == 2:
+        return _fresh(part.sum(0)[:, :dstate], t)
+    batch, n_blocks, NP, seqlen = part.shape
+    groups = 1 if t.dim() == 3 else t.shape[1]
+    summed = part.view(batch, groups, n_blocks // groups, NP, seqlen).sum(2)
+    return _fresh(summed[:, :, :dstate], t)
+
+
+def scan_bwd(
+    dout: Tensor,
+    dlast_state: Tensor | None,
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    delta_bias: Tensor | None,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    checkpoints: Tensor,
+    delta_softplus: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Triton backward from the forward's checkpoints: (du, ddelta, dA, dB, dC, dD, dz,
+    ddelta_bias, dinitial_state), each in its input's dtype and shape (empty for absent
+    optional inputs). Deterministic: partial sums are reduced in a fixed order."""
+    check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
+    cdt = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    batch, dim, seqlen = u.shape
+    dstate = A.shape[1]
+    num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    cfg = config(dim, dstate, u.dtype, B, C)
+    NP, BD, T = cfg["NS"] * cfg["NI"], cfg["BD"], cfg["T"]
+    n_blocks = triton.cdiv(dim, BD)
+    Bb, *sB = _bc_args(B, bc_blocks(B, T, NP, cdt) if B.dim() > 2 else None, dim)
+    Cb, *sC = _bc_args(C, bc_blocks(C, T, NP, cdt) if C.dim() > 2 else None, dim)
+
+    du = u.new_empty(u.shape)
+    ddelta = delta.new_empty(u.shape)
+    dz = u.new_empty((0,)) if z is None else z.new_empty(u.shape)
+    dA_part = u.new_empty((num_states, dim, NP), dtype=cdt)
+
+    def bc_part(t):
+        if t.dim() == 2:
+            return u.new_empty((num_states, dim, NP), dtype=cdt)
+        return u.new_empty((batch, n_blocks, NP, seqlen), dtype=cdt)
+
+    dB_part, dC_part = bc_part(B), bc_part(C)
+    dD_part = u.new_empty((num_states, dim), dtype=cdt)
+    dbias_part = u.new_empty((num_states, dim), dtype=cdt)
+    dh0 = u.new_empty((num_states, dim, dstate), dtype=cdt)
+    scratch = u.new_empty((num_states * n_blocks * (CKPT // T) * BD * NP,), dtype=cdt)
+    last_strides = (0, 0, 0) if dlast_state is None else dlast_state.stride()
+    grid = (n_blocks, num_states)
+    wrap_triton(_scan_bwd_kernel)[grid](
+        u, delta, A, Bb, Cb, D, z, delta_bias, initial_state, cu_seqlens,
+        dout, dlast_state, checkpoints, scratch,
+        du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, dbias_part, dh0,
+        dim, seqlen, triton.cdiv(seqlen, T), n_blocks,
+        *u.stride(), *delta.stride(), *_strides3(z), *A.stride(),
+        *sB, *sC,
+        0 if D is None else D.stride(0), 0 if delta_bias is None else delta_bias.stride(0),
+        *_strides3(initial_state), *dout.stride(), *last_strides,
+        checkpoints.stride(0), checkpoints.stride(1), checkpoints.stride(2),
+        DSTATE=dstate, HAS_DLAST=dlast_state is not None,
+        **_flags(B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus, cfg, u, cdt),
+    )  # fmt: skip
+
+    def empty():  # one placeholder per absent input: outputs must not alias each other
+        return u.new_empty((0,))
+
+    return (
+        du,
+        ddelta,
+        _fresh(dA_part.sum(0)[:, :dstate], A),
+        _reduce_bc_grad(dB_part, B, dim, dstate),
+        _reduce_bc_grad(dC_part, C, dim, dstate),
+        empty() if D is None else _fresh(dD_part.sum(0), D),
+        dz,
+        empty() if delta_bias is None else _fresh(dbias_part.sum(0), delta_bias),
+        empty() if initial_state is None else _fresh(dh0, initial_state),
+    )

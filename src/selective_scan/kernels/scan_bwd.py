@@ -1,0 +1,256 @@
+"""Backward selective-scan kernel.
+
+Same programs and tiles as the forward (scan_fwd.py). A program walks its sequence one
+checkpoint chunk (CKPT steps) at a time, last chunk first:
+
+1. Recompute the states forward through the chunk from its checkpoint, saving the state that
+   enters each T-step tile in a small per-program scratch buffer.
+2. Walk the chunk's tiles backwards. Per tile and state: recompute h from the tile's entry state,
+   run the adjoint recurrence dh_t = C_t dy_t + exp(delta_{t+1} A) dh_{t+1} in-thread (the carry
+   from the later tile enters at the last step), and accumulate the gradients:
+     du     = delta * sum_n dh B + D dy
+     ddelta = u * sum_n dh B + sum_n A dh (h - delta u B)   [times softplus' when enabled]
+     dA     = sum_t dh (h - delta u B) delta                 [per program, summed over batch later]
+     dB     = sum_channels dh delta u,   dC = sum_channels dy h
+   where dy = dout * silu(z), and y (for dz) is recomputed alongside.
+
+dB/dC of variable B/C are written per block of BD channels (fp32; a block never spans two groups)
+and summed over the blocks of a group afterwards, in a fixed order; dA, dD, ddelta_bias and
+constant dB/dC are written per program and summed over sequences likewise. No atomics: the
+backward is deterministic, bitwise, run to run.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import LN2, LOG2E, combine, pick, put, shift_left, sigmoid, softplus, time_tile
+
+
+@triton.jit
+def _tile_inputs(
+    dt_row, u_row, t64, s_dt, s_ut, m, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    ACC: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """(delta before softplus, delta, u) of one tile; delta = 0 outside the sequence."""
+    dt_raw = time_tile(dt_row, t64, s_dt, m, ACC)
+    if HAS_BIAS:
+        dt_raw += bias
+    dt = dt_raw
+    if SOFTPLUS:
+        dt = softplus(dt_raw, FAST)
+    dt = tl.where(m, dt, 0.0)
+    return dt_raw, dt, time_tile(u_row, t64, s_ut, m, ACC)
+
+
+@triton.jit
+def _bc_tile(row, t0, i, t_idx, const, i_idx, VAR: tl.constexpr, NP: tl.constexpr,
+             T: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """State i of B or C over one tile: a block load, or the constant value broadcast."""
+    if VAR:
+        return tl.load(row + (t0 // T) * (NP * T) + i * T + t_idx).to(ACC)
+    return pick(const, i_idx, i)[:, :, None]
+
+
+@triton.jit
+def _scan_bwd_kernel(
+    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
+    dout_ptr, dlast_ptr, ckpt_ptr, scratch_ptr,
+    du_ptr, ddelta_ptr, dz_ptr, dA_ptr, dB_ptr, dC_ptr, dD_ptr, dbias_ptr, dh0_ptr,
+    dim, seqlen, tiles, n_blocks,
+    s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An,
+    B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn,
+    s_D, s_bias, s_hb, s_hd, s_hn, s_ob, s_od, s_ot, s_lb, s_ld, s_ln, s_kb, s_kd, s_kc,
+    DSTATE: tl.constexpr, NS: tl.constexpr, NI: tl.constexpr, BD: tl.constexpr,
+    T: tl.constexpr, CKPT: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_H0: tl.constexpr, HAS_DLAST: tl.constexpr, VARLEN: tl.constexpr,
+    B_VAR: tl.constexpr, C_VAR: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(1)
+    blk = tl.program_id(0)
+    if VARLEN:
+        start = tl.load(cu_ptr + seq).to(tl.int32)
+        end = tl.load(cu_ptr + seq + 1).to(tl.int32)
+        batch = (seq * 0).to(tl.int64)
+    else:
+        start = 0
+        end = seqlen
+        batch = seq.to(tl.int64)
+    NP: tl.constexpr = NS * NI
+
+    ch = blk * BD + tl.arange(0, BD)
+    ch64 = ch.to(tl.int64)[:, None, None]
+    row_ok = (ch < dim)[:, None, None]
+    lane = tl.arange(0, NS)[None, :, None]
+    i_idx = tl.arange(0, NI)[None, None, :]
+    t_idx = tl.arange(0, T)[None, None, :]
+    n = lane * NI + i_idx
+    st_ok = row_ok & (n < DSTATE)
+    lane_off = (lane * 0).to(tl.int64)
+    seq64 = seq.to(tl.int64)
+
+    A2 = tl.load(A_ptr + ch64 * s_Ad + n * s_An, mask=st_ok, other=0.0).to(ACC)
+    A2 *= tl.full([1, 1, 1], LOG2E, ACC)
+    ch_in = tl.minimum(ch64, dim - 1)
+    B_const = tl.zeros([BD, NS, NI], ACC)
+    C_const = tl.zeros([BD, NS, NI], ACC)
+    if B_VAR:
+        B_row = B_ptr + ((batch * B_groups + ch_in // B_group) * tiles) * (NP * T) + lane * (NI * T)
+    else:
+        B_row = B_ptr
+        B_const = tl.load(B_ptr + ch64 * s_Bd + n * s_Bn, mask=st_ok, other=0.0).to(ACC)
+    if C_VAR:
+        C_row = C_ptr + ((batch * C_groups + ch_in // C_group) * tiles) * (NP * T) + lane * (NI * T)
+    else:
+        C_row = C_ptr
+        C_const = tl.load(C_ptr + ch64 * s_Cd + n * s_Cn, mask=st_ok, other=0.0).to(ACC)
+    bias = tl.zeros([BD, 1, 1], ACC)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + ch64 * s_bias, mask=row_ok, other=0.0).to(ACC)
+    Dv = tl.zeros([BD, 1, 1], ACC)
+    if HAS_D:
+        Dv = tl.load(D_ptr + ch64 * s_D, mask=row_ok, other=0.0).to(ACC)
+    u_row = u_ptr + batch * s_ub + ch64 * s_ud + lane_off
+    dt_row = delta_ptr + batch * s_db + ch64 * s_dd + lane_off
+    if HAS_Z:
+        z_row = z_ptr + batch * s_zb + ch64 * s_zd + lane_off
+    dout_row = dout_ptr + batch * s_ob + ch64 * s_od + lane_off
+    # Gradient outputs are contiguous (batch, dim, seqlen), like u (ddelta too).
+    grad_row = batch * dim * seqlen + ch64 * seqlen + lane_off
+    scratch = scratch_ptr + ((seq64 * n_blocks + blk) * (CKPT // T)) * (BD * NP)
+    scratch_tile = scratch + (ch64 - blk * BD) * NP + n  # [BD, NS, NI]
+
+    dh_carry = tl.zeros([BD, NS, NI], ACC)  # a_{t+1} dh_{t+1} entering the current tile's end
+    if HAS_DLAST:
+        dh_carry = tl.load(dlast_ptr + seq64 * s_lb + ch64 * s_ld + n * s_ln, mask=st_ok,
+                           other=0.0).to(ACC)  # fmt: skip
+    dA_acc = tl.zeros([BD, NS, NI], ACC)
+    dB_acc = tl.zeros([BD, NS, NI], ACC)  # constant B/C: summed over the sequence
+    dC_acc = tl.zeros([BD, NS, NI], ACC)
+    dD_acc = tl.zeros([BD, NS, T], ACC)
+    dbias_acc = tl.zeros([BD, NS, T], ACC)
+
+    first = (start // T) * T
+    c_first = first // CKPT
+    c_last = (end - 1) // CKPT
+    for c_rev in range(0, c_last - c_first + 1):
+        c = c_last - c_rev
+        lo = tl.maximum(c * CKPT, first)
+        hi = tl.minimum((c + 1) * CKPT, end)
+        # 1. States entering each tile of the chunk, from the checkpoint (or the sequence start).
+        if c * CKPT > start:
+            h = tl.load(ckpt_ptr + batch * s_kb + ch64 * s_kd + c * s_kc + n, mask=st_ok,
+                        other=0.0).to(ACC)  # fmt: skip
+        elif HAS_H0:
+            h = tl.load(h0_ptr + seq64 * s_hb + ch64 * s_hd + n * s_hn, mask=st_ok,
+                        other=0.0).to(ACC)  # fmt: skip
+        else:
+            h = tl.zeros([BD, NS, NI], ACC)
+        for t0 in range(lo, hi, T):
+            tl.store(scratch_tile + ((t0 - c * CKPT) // T) * (BD * NP), h)
+            t = t0 + t_idx
+            t64 = t.to(tl.int64)
+            m = row_ok & (t >= start) & (t < end)
+            _, dt, uu = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, bias, HAS_BIAS, SOFTPLUS,
+                                     ACC, FAST)  # fmt: skip
+            dtu = dt * uu
+            for i in tl.static_range(NI):
+                a = tl.math.exp2(dt * pick(A2, i_idx, i)[:, :, None])
+                x = dtu * _bc_tile(B_row, t0, i, t_idx, B_const, i_idx, B_VAR, NP, T, ACC)
+                x = tl.where(t_idx == 0, x + a * pick(h, i_idx, i)[:, :, None], x)
+                _, hs = tl.associative_scan((a, x), axis=2, combine_fn=combine)
+                h = put(h, i_idx, i, pick(hs, t_idx, T - 1))
+        tl.debug_barrier()
+        # 2. Tiles of the chunk, last first.
+        n_tiles = (hi - lo + T - 1) // T
+        for k_rev in range(0, n_tiles):
+            t0 = lo + (n_tiles - 1 - k_rev) * T
+            h_in = tl.load(scratch_tile + ((t0 - c * CKPT) // T) * (BD * NP))
+            t = t0 + t_idx
+            t64 = t.to(tl.int64)
+            m = row_ok & (t >= start) & (t < end)
+            dt_raw, dt, uu = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, bias, HAS_BIAS,
+                                          SOFTPLUS, ACC, FAST)  # fmt: skip
+            dtu = dt * uu
+            dout = time_tile(dout_row, t64, s_ot, m, ACC)
+            dy = dout
+            if HAS_Z:
+                zz = time_tile(z_row, t64, s_zt, m, ACC)
+                sig_z = sigmoid(zz, FAST)
+                dy = dout * zz * sig_z
+            sum_dhb = tl.zeros([BD, NS, T], ACC)  # sum_n dh B
+            sum_adhh = tl.zeros([BD, NS, T], ACC)  # sum_n A2 dh (h - x)
+            y = tl.zeros([BD, NS, T], ACC)
+            for i in tl.static_range(NI):
+                a2_i = pick(A2, i_idx, i)[:, :, None]
+                a = tl.math.exp2(dt * a2_i)
+                b_i = _bc_tile(B_row, t0, i, t_idx, B_const, i_idx, B_VAR, NP, T, ACC)
+                c_i = _bc_tile(C_row, t0, i, t_idx, C_const, i_idx, C_VAR, NP, T, ACC)
+                x = dtu * b_i
+                _, hs = tl.associative_scan(
+                    (a, tl.where(t_idx == 0, x + a * pick(h_in, i_idx, i)[:, :, None], x)),
+                    axis=2, combine_fn=combine,
+                )  # fmt: skip
+                y += hs * c_i
+                g = dy * c_i
+                g = tl.where(t_idx == T - 1, g + pick(dh_carry, i_idx, i)[:, :, None], g)
+                _, dh = tl.associative_scan((shift_left(a, t_idx, T), g), axis=2,
+                                            combine_fn=combine, reverse=True)  # fmt: skip
+                dh_carry = put(dh_carry, i_idx, i, pick(a, t_idx, 0) * pick(dh, t_idx, 0))
+                dhh = dh * (hs - x)  # dh * exp(delta A) * h_{t-1}
+                sum_dhb += dh * b_i
+                sum_adhh += dhh * a2_i
+                dA_acc = put(dA_acc, i_idx, i, pick(dA_acc, i_idx, i) + tl.sum(dhh * dt, axis=2))
+                db = dh * dtu
+                dc = dy * hs
+                if B_VAR:
+                    tl.store(
+                        dB_ptr + ((batch * n_blocks + blk) * NP + lane * NI + i) * seqlen + t64,
+                        tl.sum(db, axis=0)[None, :, :],
+                        mask=(t >= start) & (t < end),
+                    )
+                else:
+                    dB_acc = put(dB_acc, i_idx, i, pick(dB_acc, i_idx, i) + tl.sum(db, axis=2))
+                if C_VAR:
+                    tl.store(
+                        dC_ptr + ((batch * n_blocks + blk) * NP + lane * NI + i) * seqlen + t64,
+                        tl.sum(dc, axis=0)[None, :, :],
+                        mask=(t >= start) & (t < end),
+                    )
+                else:
+                    dC_acc = put(dC_acc, i_idx, i, pick(dC_acc, i_idx, i) + tl.sum(dc, axis=2))
+            sum_dhb = tl.sum(sum_dhb, axis=1)[:, None, :]
+            sum_adhh = tl.sum(sum_adhh, axis=1)[:, None, :]
+            du = dt * sum_dhb + Dv * dy
+            ddt = uu * sum_dhb + sum_adhh * LN2
+            if SOFTPLUS:
+                ddt *= tl.where(dt_raw > 20.0, 1.0, sigmoid(dt_raw, FAST))
+            ddt = tl.where(m, ddt, 0.0)
+            store_mask = m & (lane == 0)
+            tl.store(du_ptr + grad_row + t64, du.to(du_ptr.dtype.element_ty), mask=store_mask)
+            tl.store(ddelta_ptr + grad_row + t64, ddt.to(ddelta_ptr.dtype.element_ty),
+                     mask=store_mask)  # fmt: skip
+            if HAS_Z:
+                y = tl.sum(y, axis=1)[:, None, :] + Dv * uu
+                dz = dout * y * sig_z * (1.0 + zz * (1.0 - sig_z))
+                tl.store(dz_ptr + grad_row + t64, dz.to(dz_ptr.dtype.element_ty), mask=store_mask)
+            dD_acc += dy * uu
+            dbias_acc += ddt
+        tl.debug_barrier()
+
+    # Per-program partial sums; the launcher reduces them over sequences in a fixed order.
+    part = seq64 * dim * NP + ch64 * NP + n  # [BD, NS, NI] into (num_states, dim, NP)
+    tl.store(dA_ptr + part, dA_acc, mask=row_ok)
+    if not B_VAR:
+        tl.store(dB_ptr + part, dB_acc, mask=row_ok)
+    if not C_VAR:
+        tl.store(dC_ptr + part, dC_acc, mask=row_ok)
+    if HAS_H0:
+        tl.store(dh0_ptr + seq64 * dim * DSTATE + ch64 * DSTATE + n, dh_carry, mask=st_ok)
+    first_lane = row_ok & (lane == 0)
+    if HAS_D:
+        tl.store(dD_ptr + seq64 * dim + ch64 + lane_off, tl.sum(dD_acc, axis=2)[:, :, None],
+                 mask=first_lane)  # fmt: skip
+    if HAS_BIAS:
+        tl.store(dbias_ptr + seq64 * dim + ch64 + lane_off, tl.sum(dbias_acc, axis=2)[:, :, None],
+                 mask=first_lane)  # fmt: skip

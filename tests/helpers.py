@@ -1,0 +1,205 @@
+"""Random inputs in the anchor distributions, the float64 oracle, and error measures."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from selective_scan import selective_scan_ref
+from selective_scan._checks import compute_dtype
+
+OPTIONAL = ("D", "z", "delta_bias", "initial_state", "cu_seqlens")
+
+
+def make_inputs(
+    batch: int = 2,
+    dim: int = 8,
+    dstate: int = 4,
+    seqlen: int = 33,
+    b_form: str = "variable",
+    c_form: str = "variable",
+    groups: int = 2,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    D: bool = True,
+    z: bool = True,
+    delta_bias: bool = True,
+    initial_state: bool = False,
+    cu_seqlens: list[int] | None = None,
+    seed: int = 0,
+) -> dict:
+    """Fresh random inputs: u, z, B, C ~ N(0,1); delta ~ 0.5 U(0,1); A = -(0.5 U(0,1) + 0.1);
+    D ~ N(0,1); delta_bias ~ 0.5 U(0,1); initial_state ~ N(0,1).
+
+    b_form/c_form: "constant" (dim, dstate), "variable" (batch, dstate, seqlen) or "grouped"
+    (batch, groups, dstate, seqlen). A, D, delta_bias and initial_state are float32 (float64 when
+    dtype is float64), as in mamba.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    wdt = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def rand(*shape, dt=dtype, kind="normal"):
+        t = (
+            torch.randn(shape, generator=gen)
+            if kind == "normal"
+            else torch.rand(shape, generator=gen)
+        )
+        return t.to(dt).to(device)
+
+    def bc(form):
+        shape = {
+            "constant": (dim, dstate),
+            "variable": (batch, dstate, seqlen),
+            "grouped": (batch, groups, dstate, seqlen),
+        }[form]
+        return rand(*shape, dt=wdt if form == "constant" else dtype)
+
+    num_states = batch if cu_seqlens is None else len(cu_seqlens) - 1
+    return {
+        "u": rand(batch, dim, seqlen),
+        "delta": 0.5 * rand(batch, dim, seqlen, kind="uniform"),
+        "A": -(0.5 * rand(dim, dstate, dt=wdt, kind="uniform") + 0.1),
+        "B": bc(b_form),
+        "C": bc(c_form),
+        "D": rand(dim, dt=wdt) if D else None,
+        "z": rand(batch, dim, seqlen) if z else None,
+        "delta_bias": 0.5 * rand(dim, dt=wdt, kind="uniform") if delta_bias else None,
+        "initial_state": rand(num_states, dim, dstate, dt=wdt) if initial_state else None,
+        "cu_seqlens": None
+        if cu_seqlens is None
+        else torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
+    }
+
+
+def float_inputs(inputs: dict) -> list[str]:
+    """Names of the floating-point tensors (the differentiable inputs)."""
+    return [k for k, v in inputs.items() if v is not None and v.is_floating_point()]
+
+
+def to_float64(inputs: dict) -> dict:
+    return {
+        k: v.detach().double() if v is not None and v.is_floating_point() else v
+        for k, v in inputs.items()
+    }
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64; NaN anywhere gives inf."""
+    actual, expected = actual.double(), expected.double()
+    if not torch.isfinite(actual).all():
+        return float("inf")
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def oracle(inputs: dict, delta_softplus: bool, weights=None):
+    """float64 reference outputs (out, last_state) and, with weights (w_out, w_last), the
+    gradients of sum(out * w_out) + sum(last_state * w_last) w.r.t. every float input."""
+    ref = {
+        k: v.requires_grad_(True) if k in float_inputs(inputs) else v
+        for k, v in to_float64(inputs).items()
+    }
+    out, last = selective_scan_ref(**ref, delta_softplus=delta_softplus, return_last_state=True)
+    if weights is None:
+        return out, last, None
+    loss = (out * weights[0].double()).sum() + (last * weights[1].double()).sum()
+    names = float_inputs(inputs)
+    grads = torch.autograd.grad(loss, [ref[k] for k in names])
+    return out.detach(), last.detach(), dict(zip(names, grads, strict=True))
+
+
+# Relative-error bounds against the float64 oracle, by the dtype of the outputs. Low-precision
+# outputs are compared with the oracle run on the same rounded inputs, so what remains is the
+# rounding of the outputs (half an ulp: 2^-9 bf16, 2^-12 fp16) over float32 arithmetic.
+TOLERANCE = {
+    torch.float64: 1e-12,
+    torch.float32: 1e-5,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1e-2,
+}
+
+
+def tolerance(inputs: dict) -> float:
+    """The bound for the loosest dtype among the float inputs (mixed dtypes take the worst)."""
+    return max(TOLERANCE[inputs[k].dtype] for k in float_inputs(inputs))
+
+
+def make_weights(inputs: dict, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random weights (w_out, w_last) for the loss sum(out * w_out) + sum(last_state * w_last).
+
+    w_out has out's dtype (so the oracle sees exactly the dout the op sees); w_last has
+    last_state's dtype and shape (num_states, dim, dstate)."""
+    gen = torch.Generator().manual_seed(seed)
+    u = inputs["u"]
+    cu = inputs.get("cu_seqlens")
+    num_states = u.shape[0] if cu is None else cu.shape[0] - 1
+    last_dtype = compute_dtype(*(inputs[k] for k in float_inputs(inputs)))
+    w_out = torch.randn(u.shape, generator=gen).to(u.dtype)
+    w_last = torch.randn((num_states, u.shape[1], inputs["A"].shape[1]), generator=gen)
+    return w_out.to(u.device), w_last.to(last_dtype).to(u.device)
+
+
+def leaves(inputs: dict) -> dict:
+    """Copies of the inputs, the float ones as leaves requiring grad. clone() keeps the strides
+    of dense inputs, and the caller's tensors stay untouched whatever the op does."""
+    return {
+        k: v.detach().clone().requires_grad_(True) if k in float_inputs(inputs) else v
+        for k, v in inputs.items()
+    }
+
+
+def run_scan(fn, inputs: dict, delta_softplus: bool, weights=None, return_last_state=True):
+    """Call fn (selective_scan_fn or selective_scan_ref) on ``inputs`` as given (leaves requiring
+    grad, or not); with weights, also return the gradients of the weighted loss w.r.t. every
+    float input that requires grad. Returns (out, last_state or None, grads or None)."""
+    result = fn(**inputs, delta_softplus=delta_softplus, return_last_state=return_last_state)
+    out, last = result if return_last_state else (result, None)
+    if weights is None:
+        return out, last, None
+    loss = (out * weights[0]).sum()
+    if last is not None:
+        loss = loss + (last * weights[1]).sum()
+    names = [k for k in float_inputs(inputs) if inputs[k].requires_grad]
+    grads = torch.autograd.grad(loss, [inputs[k] for k in names])
+    return out, last, dict(zip(names, grads, strict=True))
+
+
+def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    """Same shape, every element finite, relative error (over all elements) within tol."""
+    assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
+    bad = (~torch.isfinite(actual)).sum().item()
+    assert bad == 0, f"{name}: {bad} of {actual.numel()} elements are not finite"
+    err = rel_err(actual, expected)
+    assert err <= tol, f"{name}: relative error {err:.3g} > {tol:g}"
+
+
+def pairwise(axes: dict[str, list]) -> list[dict]:
+    """A covering set of cases in which every pair of values of every two axes occurs.
+
+    Greedy and deterministic: each new case starts from the first uncovered pair and fills the
+    other axes with the value that covers the most still-uncovered pairs."""
+    names = list(axes)
+    values = [list(axes[n]) for n in names]
+
+    def pair(i, a, j, b):
+        return (i, a, j, b) if i < j else (j, b, i, a)
+
+    uncovered = {
+        (i, a, j, b)
+        for i, j in itertools.combinations(range(len(names)), 2)
+        for a in range(len(values[i]))
+        for b in range(len(values[j]))
+    }
+    cases = []
+    while uncovered:
+        i, a, j, b = min(uncovered)
+        row = {i: a, j: b}
+        for k in range(len(names)):
+            if k not in row:
+                row[k] = max(
+                    range(len(values[k])),
+                    key=lambda v, k=k: sum(pair(m, row[m], k, v) in uncovered for m in row),
+                )
+        uncovered -= {pair(m, row[m], n, row[n]) for m, n in itertools.combinations(row, 2)}
+        cases.append({names[k]: values[k][row[k]] for k in range(len(names))})
+    return cases
