@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--shape", default="S1", choices=sorted(SHAPES))
     parser.add_argument("--dtype", default=None, help="override the shape's dtype")
     parser.add_argument("--out", default="/tmp/selective_scan_sass")
+    parser.add_argument("--tiles", default="", help="config overrides, e.g. NS=4,num_warps=2")
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -95,6 +96,11 @@ def main() -> None:
     recorder = _Recorder()
     scan.wrap_triton = recorder
     scan._fast_math = lambda u, cdt: cdt == torch.float32  # as on a GPU
+    overrides = {k: int(v) for k, v in (kv.split("=") for kv in args.tiles.split(",") if kv)}
+    if overrides:
+        base_config = scan.config
+        scan.config = lambda dim, dstate, dtype, B, C: scan.with_overrides(
+            base_config(dim, dstate, dtype, B, C), overrides, dim, B, C)
     inputs = make_bench_inputs(args.shape, device="cpu", dtype=args.dtype, small_seqlen=256)
     out, _, ckpt = scan.scan_fwd(**inputs)
     scan.scan_bwd(

@@ -22,6 +22,28 @@ TRITON_RUNS = ops.HAS_TRITON and (HAS_CUDA or os.environ.get("TRITON_INTERPRET")
 BACKENDS = ["torch", "triton"] if TRITON_RUNS else ["torch"]
 
 
+# Under the interpreter every Triton program runs in Python: about 0.15 s per batch row and step
+# for a forward + backward at dim 8, dstate 4 (measured with the kernels of 2026-11-29), so the
+# grids take far longer there than on the torch backend. Those runs carry the "interpreter" mark:
+# `pytest -m "not interpreter"` runs the rest, `pytest -m interpreter` only them.
+INTERPRETED = TRITON_RUNS and not HAS_CUDA
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "interpreter: runs the Triton kernels under the Triton interpreter (slow)"
+    )
+
+
+def pytest_collection_modifyitems(items):
+    if not INTERPRETED:
+        return
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("backend") == "triton":
+            item.add_marker(pytest.mark.interpreter)
+
+
 @pytest.fixture(autouse=True)
 def _exact_first_exp():
     """Torch 2.13's CPU build: the first float32 exp of a process may be inaccurate on the

@@ -1,4 +1,5 @@
-"""Random inputs in the anchor distributions, the float64 oracle, and error measures."""
+"""Random inputs in the anchor distributions, the float64 oracle, error measures and bounds,
+and a pairwise generator of test cases."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import itertools
 
 import torch
 
-from selective_scan import selective_scan_ref
+from selective_scan import selective_scan_fn, selective_scan_ref
 from selective_scan._checks import compute_dtype
 
 OPTIONAL = ("D", "z", "delta_bias", "initial_state", "cu_seqlens")
@@ -203,3 +204,19 @@ def pairwise(axes: dict[str, list]) -> list[dict]:
         uncovered -= {pair(m, row[m], n, row[n]) for m, n in itertools.combinations(row, 2)}
         cases.append({names[k]: values[k][row[k]] for k in range(len(names))})
     return cases
+
+
+def gradcheck_scan(inputs: dict, fast_mode: bool = False) -> bool:
+    """torch.autograd.gradcheck of selective_scan_fn (softplus on) w.r.t. every float input,
+    on the tuple (out, last_state); inputs should be float64."""
+    names = float_inputs(inputs)
+
+    def scan(*tensors):
+        return selective_scan_fn(
+            **inputs | dict(zip(names, tensors, strict=True)),
+            delta_softplus=True,
+            return_last_state=True,
+        )
+
+    args = [inputs[k].detach().clone().requires_grad_(True) for k in names]
+    return torch.autograd.gradcheck(scan, args, fast_mode=fast_mode)

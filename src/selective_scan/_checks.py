@@ -21,6 +21,12 @@ def _shape(t: Tensor) -> tuple:
     return tuple(t.shape)
 
 
+def _format_shape(expected: tuple) -> str:
+    """(8, None, 4) -> '(8, *, 4)'; (8,) -> '(8,)'."""
+    sizes = ["*" if w is None else str(w) for w in expected]
+    return f"({', '.join(sizes)}{',' if len(sizes) == 1 else ''})"
+
+
 def check_size(cond, message: Callable[[], str]) -> None:
     """Raise ValueError(message()) unless cond; symbolic conditions become runtime asserts."""
     torch._check_with(ValueError, cond, message)
@@ -66,7 +72,7 @@ def check_dims(name: str, t: Tensor, expected: tuple, labels: str) -> None:
                 actual == want,
                 lambda: (
                     f"selective_scan: {name} must have shape {labels} = "
-                    f"{tuple('*' if w is None else w for w in expected)}, got {_shape(t)}"
+                    f"{_format_shape(expected)}, got {_shape(t)}"
                 ),
             )
 
@@ -166,6 +172,13 @@ def check_cu_seqlens_values(cu_seqlens: Tensor, seqlen: int) -> list[int]:
     if any(b < a for a, b in itertools.pairwise(values)):
         raise ValueError("selective_scan: cu_seqlens must be non-decreasing")
     return values
+
+
+def checkpoint_slots(seqlen, interval: int):
+    """Checkpoint slots for a sequence: one per ``interval`` steps, plus one spare slot so that
+    the size is never 1 (a size-1 dimension makes torch.export and torch.compile specialize on
+    seqlen). Works on SymInts."""
+    return (seqlen + interval - 1) // interval + 1
 
 
 def compute_dtype(*tensors: Tensor | None) -> torch.dtype:

@@ -24,7 +24,7 @@ def use_triton(u: Tensor) -> bool:
             f"selective_scan: SELECTIVE_SCAN_BACKEND must be one of {_BACKENDS}, got {backend!r}"
         )
     if backend == "auto":
-        return u.is_cuda and ops.HAS_TRITON
+        return isinstance(u, Tensor) and u.is_cuda and ops.HAS_TRITON
     return backend == "triton"
 
 

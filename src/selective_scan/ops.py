@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu
-from ._checks import check_scan_inputs, compute_dtype
+from ._checks import check_scan_inputs, checkpoint_slots, compute_dtype
 
 
 def fwd_fake(chunk: int):
@@ -38,7 +38,7 @@ def fwd_fake(chunk: int):
         return (
             u.new_empty(u.shape),
             u.new_empty((num_states, dim, dstate), dtype=cdt),
-            u.new_empty((batch, dim, (seqlen + chunk - 1) // chunk, dstate), dtype=cdt),
+            u.new_empty((batch, dim, checkpoint_slots(seqlen, chunk), dstate), dtype=cdt),
         )
 
     return fake

@@ -28,9 +28,11 @@ def _scan_one(u, delta, A, B, C, h):
     decay = torch.exp(delta.unsqueeze(-1) * A[:, None, :])  # (batch, dim, L, dstate)
     inputs = (delta * u).unsqueeze(-1) * B.transpose(-1, -2)
     ys = [u.new_zeros((*u.shape[:2], 0))]  # keeps torch.cat valid for empty sequences
-    for t in range(u.shape[-1]):
-        h = decay[:, :, t] * h + inputs[:, :, t]
-        ys.append((h * C[..., t]).sum(-1, keepdim=True))
+    # unbind rather than indexing step t: autograd then stacks the per-step gradients once,
+    # where indexing scatters each into a zero tensor of the full size (O(seqlen^2) backward).
+    for a_t, x_t, c_t in zip(decay.unbind(2), inputs.unbind(2), C.unbind(-1), strict=True):
+        h = a_t * h + x_t
+        ys.append((h * c_t).sum(-1, keepdim=True))
     return torch.cat(ys, dim=-1), h
 
 

@@ -36,12 +36,26 @@ def put(tile, idx, i, value):
 
 
 @triton.jit
-def shift_left(tile, idx, T: tl.constexpr):
-    """out[..., t] = tile[..., t + 1], and 0 at t = T - 1 (an in-thread register move)."""
-    out = tl.zeros_like(tile)
-    for t in tl.static_range(T - 1):
-        out = put(out, idx, t, pick(tile, idx, t + 1))
+def shift_right(tile, first, t_idx, T: tl.constexpr):
+    """out[t] = tile[t - 1], out[0] = first ([BD, NS]): in-thread register moves."""
+    out = put(tl.zeros_like(tile), t_idx, 0, first)
+    for t in tl.static_range(1, T):
+        out = put(out, t_idx, t, pick(tile, t_idx, t - 1))
     return out
+
+
+@triton.jit
+def reverse_recurrence(a, g, carry, t_idx, T: tl.constexpr):
+    """dh[t] = g[t] + a[t+1] dh[t+1] along the in-thread time axis, last step first, where the
+    term a[T] dh[T] from beyond the tile is `carry` ([BD, NS]). Written out step by step: Triton's
+    reverse associative_scan shuffles across lanes even when the axis lies in one thread."""
+    acc = pick(g, t_idx, T - 1) + carry
+    dh = put(tl.zeros_like(g), t_idx, T - 1, acc)
+    for k in tl.static_range(T - 1):
+        t = T - 2 - k
+        acc = pick(g, t_idx, t) + pick(a, t_idx, t + 1) * acc
+        dh = put(dh, t_idx, t, acc)
+    return dh
 
 
 @triton.jit

@@ -17,17 +17,14 @@ import os
 import torch
 import triton
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 from torch.library import wrap_triton
 
-from .._checks import check_scan_inputs, compute_dtype
+from .._checks import check_cu_seqlens_values, check_scan_inputs, checkpoint_slots, compute_dtype
 from .scan_bwd import _scan_bwd_kernel
 from .scan_fwd import _scan_fwd_kernel
 
 CKPT = 128  # checkpoint interval (steps) of the Triton backend
-
-
-def num_chunks(seqlen):
-    return (seqlen + CKPT - 1) // CKPT
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -66,19 +63,58 @@ def _strides3(t: Tensor | None) -> tuple:
 
 
 def config(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor) -> dict:
-    """Tiles: T steps per thread (one 128-bit vector of the input dtype), the padded states
-    split as NS lanes x NI per thread, BD channels per program (one warp). For variable B/C,
-    BD divides the channels of a group, so that a block's dB/dC partial sums belong to one
-    group."""
-    T = max(16 // torch.empty((), dtype=dtype).element_size(), 4)
-    NS = 1
-    NI = triton.next_power_of_2(dstate) // NS
-    BD = 32
+    """Tiles: T steps per thread (one 128-bit vector of the input dtype); the padded states
+    split as NS lanes x NI per thread; CH channels per thread, so a program (num_warps warps)
+    covers BD = CH * (32 / NS) * num_warps channels. For variable B/C, BD divides the channels of
+    a group, so that a program's B/C tiles and dB/dC partial sums belong to one group."""
+    n_pad = triton.next_power_of_2(dstate)
+    # Measured on the H200 (bench/NOTES.md): 4 lanes per channel beat 1 and 2 in both
+    # directions; more warps hide the latency of the in-order loop better than fewer
+    # redundant per-step instructions save.
+    NS = min(4, n_pad)
+    cfg = dict(T=max(16 // torch.empty((), dtype=dtype).element_size(), 4), NS=NS,
+               NI=n_pad // NS, CH=1, num_warps=1, STAGES=3)  # fmt: skip
+    return _derive_block(cfg, dim, B, C)
+
+
+# Warps at which a launch keeps the H200's 528 schedulers busy enough (about 4 each).
+TARGET_WARPS = 2048
+
+
+def ranges(cfg: dict, num_states, dim, seqlen, varlen: bool) -> tuple[int, int]:
+    """(number of ranges, range length) a sequence is cut into (see scan_fwd.py). More than one
+    only when few (sequence, channel) pairs would leave the GPU idle, sizes are concrete
+    (symbolic sizes under torch.compile(dynamic=True)/export get one range: no guard on them),
+    and not for packed sequences (they bring their own parallelism)."""
+    one = (1, checkpoint_slots(seqlen, CKPT) * CKPT)
+    if varlen or not all(isinstance(x, int) for x in (num_states, dim, seqlen)):
+        return one
+    warps = num_states * triton.cdiv(dim, cfg["BD"]) * cfg["num_warps"]
+    chunks = triton.cdiv(seqlen, CKPT)
+    wanted = min(triton.cdiv(TARGET_WARPS, warps), chunks) if 2 * warps < TARGET_WARPS else 1
+    if wanted <= 1:
+        return one
+    length = triton.cdiv(chunks, wanted) * CKPT
+    return triton.cdiv(seqlen, length), length
+
+
+def _derive_block(cfg: dict, dim, B: Tensor, C: Tensor) -> dict:
+    cfg["NI"] = max(cfg.get("NI", 1), 1)
+    BD = cfg["CH"] * (32 // cfg["NS"]) * cfg["num_warps"]
     for t in (B, C):
         if t.dim() == 4:
             per_group = dim // t.shape[1]
             BD = min(BD, per_group & -per_group)  # largest power of two dividing it
-    return dict(BD=BD, NS=NS, NI=NI, T=T, num_warps=1)
+    cfg["BD"] = BD
+    return cfg
+
+
+def with_overrides(cfg: dict, overrides: dict, dim, B: Tensor, C: Tensor) -> dict:
+    """cfg with some tile sizes replaced (benchmarks and inspection); NI and BD follow."""
+    out = cfg | overrides
+    if "NS" in overrides and "NI" not in overrides:
+        out["NI"] = cfg["NS"] * cfg["NI"] // out["NS"]
+    return _derive_block(out, dim, B, C)
 
 
 def _flags(B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus, cfg, u, cdt):
@@ -87,7 +123,8 @@ def _flags(B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus, cf
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=delta_softplus, HAS_H0=initial_state is not None,
         VARLEN=cu_seqlens is not None, B_VAR=B.dim() > 2, C_VAR=C.dim() > 2,
-        ACC=_tl_dtype(cdt), FAST=_fast_math(u, cdt), num_warps=cfg["num_warps"],
+        ACC=_tl_dtype(cdt), FAST=_fast_math(u, cdt), STAGES=cfg["STAGES"],
+        num_warps=cfg["num_warps"],
     )  # fmt: skip
 
 
@@ -113,24 +150,33 @@ def scan_fwd(
     num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     out = u.new_empty(u.shape)
     last = u.new_empty((num_states, dim, dstate), dtype=cdt)
-    ckpt = u.new_empty((batch, dim, num_chunks(seqlen), dstate), dtype=cdt)
+    if cu_seqlens is not None and not is_fake(cu_seqlens):  # eager only: reads it to the host
+        check_cu_seqlens_values(cu_seqlens, seqlen)
+    ckpt = u.new_empty((batch, dim, checkpoint_slots(seqlen, CKPT), dstate), dtype=cdt)
+    ckpt[:, :, -1].zero_()  # the spare slot (see checkpoint_slots)
     cfg = config(dim, dstate, u.dtype, B, C)
     NP = cfg["NS"] * cfg["NI"]
     Bb, *sB = _bc_args(B, bc_blocks(B, cfg["T"], NP, cdt) if B.dim() > 2 else None, dim)
     Cb, *sC = _bc_args(C, bc_blocks(C, cfg["T"], NP, cdt) if C.dim() > 2 else None, dim)
-    grid = (triton.cdiv(dim, cfg["BD"]), num_states)
-    wrap_triton(_scan_fwd_kernel)[grid](
-        u, delta, A, Bb, Cb, D, z, delta_bias, initial_state, cu_seqlens,
-        out, last, ckpt,
-        dim, seqlen,
-        *u.stride(), *delta.stride(), *_strides3(z), *A.stride(),
-        triton.cdiv(seqlen, cfg["T"]), *sB, *sC,
-        0 if D is None else D.stride(0), 0 if delta_bias is None else delta_bias.stride(0),
-        *_strides3(initial_state), out.stride(0), out.stride(1),
-        ckpt.stride(0), ckpt.stride(1), ckpt.stride(2), last.stride(0), last.stride(1),
-        DSTATE=dstate,
-        **_flags(B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus, cfg, u, cdt),
-    )  # fmt: skip
+    n_ranges, range_len = ranges(cfg, num_states, dim, seqlen, cu_seqlens is not None)
+    h_local = u.new_empty((num_states, n_ranges, dim, NP), dtype=cdt)
+    dt_sums = u.new_empty((num_states, n_ranges, dim), dtype=cdt)
+    blocks = triton.cdiv(dim, cfg["BD"])
+    for local in (True, False) if n_ranges > 1 else (False,):
+        grid = (blocks, num_states, n_ranges - 1 if local else n_ranges)
+        wrap_triton(_scan_fwd_kernel)[grid](
+            u, delta, A, Bb, Cb, D, z, delta_bias, initial_state, cu_seqlens,
+            out, last, ckpt, h_local, dt_sums,
+            dim, seqlen, range_len, n_ranges,
+            *u.stride(), *delta.stride(), *_strides3(z), *A.stride(),
+            triton.cdiv(seqlen, cfg["T"]), *sB, *sC,
+            0 if D is None else D.stride(0), 0 if delta_bias is None else delta_bias.stride(0),
+            *_strides3(initial_state), out.stride(0), out.stride(1),
+            ckpt.stride(0), ckpt.stride(1), ckpt.stride(2), last.stride(0), last.stride(1),
+            DSTATE=dstate, LOCAL=local,
+            **_flags(B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus, cfg, u,
+                     cdt),
+        )  # fmt: skip
     return out, last, ckpt
 
 
@@ -182,36 +228,45 @@ def scan_bwd(
     Bb, *sB = _bc_args(B, bc_blocks(B, T, NP, cdt) if B.dim() > 2 else None, dim)
     Cb, *sC = _bc_args(C, bc_blocks(C, T, NP, cdt) if C.dim() > 2 else None, dim)
 
+    n_ranges, range_len = ranges(cfg, num_states, dim, seqlen, cu_seqlens is not None)
+    programs = num_states * n_ranges  # partial sums are per (sequence, range)
+
     du = u.new_empty(u.shape)
     ddelta = delta.new_empty(u.shape)
     dz = u.new_empty((0,)) if z is None else z.new_empty(u.shape)
-    dA_part = u.new_empty((num_states, dim, NP), dtype=cdt)
+    dA_part = u.new_empty((programs, dim, NP), dtype=cdt)
 
     def bc_part(t):
         if t.dim() == 2:
-            return u.new_empty((num_states, dim, NP), dtype=cdt)
+            return u.new_empty((programs, dim, NP), dtype=cdt)
         return u.new_empty((batch, n_blocks, NP, seqlen), dtype=cdt)
 
     dB_part, dC_part = bc_part(B), bc_part(C)
-    dD_part = u.new_empty((num_states, dim), dtype=cdt)
-    dbias_part = u.new_empty((num_states, dim), dtype=cdt)
+    dD_part = u.new_empty((programs, dim), dtype=cdt)
+    dbias_part = u.new_empty((programs, dim), dtype=cdt)
     dh0 = u.new_empty((num_states, dim, dstate), dtype=cdt)
-    scratch = u.new_empty((num_states * n_blocks * (CKPT // T) * BD * NP,), dtype=cdt)
+    dh_local = u.new_empty((num_states, n_ranges, dim, NP), dtype=cdt)
+    dt_sums = u.new_empty((num_states, n_ranges, dim), dtype=cdt)
+    scratch = u.new_empty((programs * n_blocks * (CKPT // T) * BD * NP,), dtype=cdt)
     last_strides = (0, 0, 0) if dlast_state is None else dlast_state.stride()
-    grid = (n_blocks, num_states)
-    wrap_triton(_scan_bwd_kernel)[grid](
-        u, delta, A, Bb, Cb, D, z, delta_bias, initial_state, cu_seqlens,
-        dout, dlast_state, checkpoints, scratch,
-        du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, dbias_part, dh0,
-        dim, seqlen, triton.cdiv(seqlen, T), n_blocks,
-        *u.stride(), *delta.stride(), *_strides3(z), *A.stride(),
-        *sB, *sC,
-        0 if D is None else D.stride(0), 0 if delta_bias is None else delta_bias.stride(0),
-        *_strides3(initial_state), *dout.stride(), *last_strides,
-        checkpoints.stride(0), checkpoints.stride(1), checkpoints.stride(2),
-        DSTATE=dstate, HAS_DLAST=dlast_state is not None,
-        **_flags(B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus, cfg, u, cdt),
-    )  # fmt: skip
+    for local in (True, False) if n_ranges > 1 else (False,):
+        # The local launch covers ranges 1.. (program axis 2 is offset by one there).
+        grid = (n_blocks, num_states, n_ranges - 1 if local else n_ranges)
+        wrap_triton(_scan_bwd_kernel)[grid](
+            u, delta, A, Bb, Cb, D, z, delta_bias, initial_state, cu_seqlens,
+            dout, dlast_state, checkpoints, scratch,
+            du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, dbias_part, dh0,
+            dh_local, dt_sums,
+            dim, seqlen, triton.cdiv(seqlen, T), n_blocks, range_len, n_ranges,
+            *u.stride(), *delta.stride(), *_strides3(z), *A.stride(),
+            *sB, *sC,
+            0 if D is None else D.stride(0), 0 if delta_bias is None else delta_bias.stride(0),
+            *_strides3(initial_state), *dout.stride(), *last_strides,
+            checkpoints.stride(0), checkpoints.stride(1), checkpoints.stride(2),
+            DSTATE=dstate, HAS_DLAST=dlast_state is not None, LOCAL=local,
+            **_flags(B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus, cfg, u,
+                     cdt),
+        )  # fmt: skip
 
     def empty():  # one placeholder per absent input: outputs must not alias each other
         return u.new_empty((0,))

@@ -14,6 +14,11 @@ checkpoint chunk (CKPT steps) at a time, last chunk first:
      dB     = sum_channels dh delta u,   dC = sum_channels dy h
    where dy = dout * silu(z), and y (for dz) is recomputed alongside.
 
+With the sequence cut into ranges (see scan_fwd.py), LOCAL=True first runs the adjoint
+recurrence alone over each range but the first, from a zero gradient at its end, and stores the
+gradient reaching the state before the range and sum(delta); the full launch then starts range r
+from the true gradient at its end, combined from those last range first.
+
 dB/dC of variable B/C are written per block of BD channels (fp32; a block never spans two groups)
 and summed over the blocks of a group afterwards, in a fixed order; dA, dD, ddelta_bias and
 constant dB/dC are written per program and summed over sequences likewise. No atomics: the
@@ -23,7 +28,18 @@ backward is deterministic, bitwise, run to run.
 import triton
 import triton.language as tl
 
-from .common import LN2, LOG2E, combine, pick, put, shift_left, sigmoid, softplus, time_tile
+from .common import (
+    LN2,
+    LOG2E,
+    combine,
+    pick,
+    put,
+    reverse_recurrence,
+    shift_right,
+    sigmoid,
+    softplus,
+    time_tile,
+)
 
 
 @triton.jit
@@ -43,12 +59,28 @@ def _tile_inputs(
 
 
 @triton.jit
+def _dy_tile(dout_row, z_row, t64, s_ot, s_zt, m, HAS_Z: tl.constexpr, ACC: tl.constexpr,
+             FAST: tl.constexpr):  # fmt: skip
+    """(dout, dy = dout * silu(z), z, sigmoid(z)) of one tile (z terms are dout when no z)."""
+    dout = time_tile(dout_row, t64, s_ot, m, ACC)
+    if HAS_Z:
+        zz = time_tile(z_row, t64, s_zt, m, ACC)
+        sig_z = sigmoid(zz, FAST)
+        dy = dout * zz * sig_z
+    else:
+        zz, sig_z, dy = dout, dout, dout
+    return dout, dy, zz, sig_z
+
+
+@triton.jit
 def _bc_tile(row, t0, i, t_idx, const, i_idx, VAR: tl.constexpr, NP: tl.constexpr,
              T: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """State i of B or C over one tile: a block load, or the constant value broadcast."""
     if VAR:
-        return tl.load(row + (t0 // T) * (NP * T) + i * T + t_idx).to(ACC)
-    return pick(const, i_idx, i)[:, :, None]
+        value = tl.load(row + (t0 // T) * (NP * T) + i * T + t_idx).to(ACC)
+    else:
+        value = pick(const, i_idx, i)[:, :, None]
+    return value
 
 
 @triton.jit
@@ -56,7 +88,8 @@ def _scan_bwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
     dout_ptr, dlast_ptr, ckpt_ptr, scratch_ptr,
     du_ptr, ddelta_ptr, dz_ptr, dA_ptr, dB_ptr, dC_ptr, dD_ptr, dbias_ptr, dh0_ptr,
-    dim, seqlen, tiles, n_blocks,
+    dhloc_ptr, dtsum_ptr,
+    dim, seqlen, tiles, n_blocks, RL, n_ranges,
     s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An,
     B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn,
     s_D, s_bias, s_hb, s_hd, s_hn, s_ob, s_od, s_ot, s_lb, s_ld, s_ln, s_kb, s_kd, s_kc,
@@ -65,16 +98,22 @@ def _scan_bwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, HAS_DLAST: tl.constexpr, VARLEN: tl.constexpr,
     B_VAR: tl.constexpr, C_VAR: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr,
+    STAGES: tl.constexpr, LOCAL: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(1)
     blk = tl.program_id(0)
-    if VARLEN:
+    rng = tl.program_id(2)
+    if LOCAL:  # the local launch covers ranges 1, 2, ...: range 0's gradient is not needed
+        rng += 1
+    if VARLEN:  # one range per sequence
         start = tl.load(cu_ptr + seq).to(tl.int32)
         end = tl.load(cu_ptr + seq + 1).to(tl.int32)
+        seq_start = start
         batch = (seq * 0).to(tl.int64)
     else:
-        start = 0
-        end = seqlen
+        start = rng * RL
+        end = tl.minimum(seqlen, start + RL)
+        seq_start = 0
         batch = seq.to(tl.int64)
     NP: tl.constexpr = NS * NI
 
@@ -86,21 +125,21 @@ def _scan_bwd_kernel(
     t_idx = tl.arange(0, T)[None, None, :]
     n = lane * NI + i_idx
     st_ok = row_ok & (n < DSTATE)
-    lane_off = (lane * 0).to(tl.int64)
     seq64 = seq.to(tl.int64)
 
     A2 = tl.load(A_ptr + ch64 * s_Ad + n * s_An, mask=st_ok, other=0.0).to(ACC)
     A2 *= tl.full([1, 1, 1], LOG2E, ACC)
-    ch_in = tl.minimum(ch64, dim - 1)
+    # B/C tiles are per program (a block never spans two groups), see scan_fwd.py.
+    ch_in = tl.minimum((blk * BD).to(tl.int64), dim - 1)
     B_const = tl.zeros([BD, NS, NI], ACC)
     C_const = tl.zeros([BD, NS, NI], ACC)
     if B_VAR:
-        B_row = B_ptr + ((batch * B_groups + ch_in // B_group) * tiles) * (NP * T) + lane * (NI * T)
+        B_row = B_ptr + ((batch * B_groups + ch_in // B_group) * tiles) * (NP * T) + lane * NI * T
     else:
         B_row = B_ptr
         B_const = tl.load(B_ptr + ch64 * s_Bd + n * s_Bn, mask=st_ok, other=0.0).to(ACC)
     if C_VAR:
-        C_row = C_ptr + ((batch * C_groups + ch_in // C_group) * tiles) * (NP * T) + lane * (NI * T)
+        C_row = C_ptr + ((batch * C_groups + ch_in // C_group) * tiles) * (NP * T) + lane * NI * T
     else:
         C_row = C_ptr
         C_const = tl.load(C_ptr + ch64 * s_Cd + n * s_Cn, mask=st_ok, other=0.0).to(ACC)
@@ -110,27 +149,59 @@ def _scan_bwd_kernel(
     Dv = tl.zeros([BD, 1, 1], ACC)
     if HAS_D:
         Dv = tl.load(D_ptr + ch64 * s_D, mask=row_ok, other=0.0).to(ACC)
-    u_row = u_ptr + batch * s_ub + ch64 * s_ud + lane_off
-    dt_row = delta_ptr + batch * s_db + ch64 * s_dd + lane_off
+    u_row = u_ptr + batch * s_ub + ch64 * s_ud
+    dt_row = delta_ptr + batch * s_db + ch64 * s_dd
+    z_row = u_row  # unused without z
     if HAS_Z:
-        z_row = z_ptr + batch * s_zb + ch64 * s_zd + lane_off
-    dout_row = dout_ptr + batch * s_ob + ch64 * s_od + lane_off
+        z_row = z_ptr + batch * s_zb + ch64 * s_zd
+    dout_row = dout_ptr + batch * s_ob + ch64 * s_od
     # Gradient outputs are contiguous (batch, dim, seqlen), like u (ddelta too).
-    grad_row = batch * dim * seqlen + ch64 * seqlen + lane_off
-    scratch = scratch_ptr + ((seq64 * n_blocks + blk) * (CKPT // T)) * (BD * NP)
+    grad_row = batch * dim * seqlen + ch64 * seqlen
+    program = (seq64 * n_ranges + rng) * n_blocks + blk
+    scratch = scratch_ptr + (program * (CKPT // T)) * (BD * NP)
     scratch_tile = scratch + (ch64 - blk * BD) * NP + n  # [BD, NS, NI]
 
     dh_carry = tl.zeros([BD, NS, NI], ACC)  # a_{t+1} dh_{t+1} entering the current tile's end
-    if HAS_DLAST:
-        dh_carry = tl.load(dlast_ptr + seq64 * s_lb + ch64 * s_ld + n * s_ln, mask=st_ok,
-                           other=0.0).to(ACC)  # fmt: skip
+    range_row = (seq64 * n_ranges) * dim + ch64  # [BD, 1, 1] into (.., ranges, dim)
+    if not LOCAL:
+        if HAS_DLAST:
+            dh_carry = tl.load(dlast_ptr + seq64 * s_lb + ch64 * s_ld + n * s_ln, mask=st_ok,
+                               other=0.0).to(ACC)  # fmt: skip
+        # Gradient at this range's end: fold in the later ranges' local results, last first.
+        for k in range(0, n_ranges - 1 - rng):
+            r = n_ranges - 1 - k
+            dtsum = tl.load(dtsum_ptr + range_row + r * dim, mask=row_ok, other=0.0)
+            dh_r = tl.load(dhloc_ptr + (range_row + r * dim) * NP + n, mask=st_ok, other=0.0)
+            dh_carry = tl.math.exp2(A2 * dtsum) * dh_carry + dh_r
     dA_acc = tl.zeros([BD, NS, NI], ACC)
     dB_acc = tl.zeros([BD, NS, NI], ACC)  # constant B/C: summed over the sequence
     dC_acc = tl.zeros([BD, NS, NI], ACC)
-    dD_acc = tl.zeros([BD, NS, T], ACC)
-    dbias_acc = tl.zeros([BD, NS, T], ACC)
+    dD_acc = tl.zeros([BD, 1, T], ACC)
+    dbias_acc = tl.zeros([BD, 1, T], ACC)
 
     first = (start // T) * T
+    if LOCAL:
+        dt_total = tl.zeros([BD, 1, T], ACC)
+        n_tiles = (end - first + T - 1) // T
+        for k_rev in tl.range(0, n_tiles, num_stages=STAGES):
+            t0 = first + (n_tiles - 1 - k_rev) * T
+            t = t0 + t_idx
+            t64 = t.to(tl.int64)
+            m = row_ok & (t >= start) & (t < end)
+            _, dt, _ = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, bias, HAS_BIAS, SOFTPLUS,
+                                    ACC, FAST)  # fmt: skip
+            dt_total += dt
+            _, dy, _, _ = _dy_tile(dout_row, z_row, t64, s_ot, s_zt, m, HAS_Z, ACC, FAST)
+            for i in tl.static_range(NI):
+                a = tl.math.exp2(dt * pick(A2, i_idx, i)[:, :, None])
+                c_i = _bc_tile(C_row, t0, i, t_idx, C_const, i_idx, C_VAR, NP, T, ACC)
+                dh = reverse_recurrence(a, dy * c_i, pick(dh_carry, i_idx, i), t_idx, T)
+                dh_carry = put(dh_carry, i_idx, i, pick(a, t_idx, 0) * pick(dh, t_idx, 0))
+        tl.store(dhloc_ptr + (range_row + rng * dim) * NP + n, dh_carry, mask=st_ok)
+        tl.store(dtsum_ptr + range_row + rng * dim, tl.sum(dt_total, axis=2)[:, :, None],
+                 mask=row_ok)  # fmt: skip
+        return
+
     c_first = first // CKPT
     c_last = (end - 1) // CKPT
     for c_rev in range(0, c_last - c_first + 1):
@@ -138,7 +209,7 @@ def _scan_bwd_kernel(
         lo = tl.maximum(c * CKPT, first)
         hi = tl.minimum((c + 1) * CKPT, end)
         # 1. States entering each tile of the chunk, from the checkpoint (or the sequence start).
-        if c * CKPT > start:
+        if c * CKPT > seq_start:
             h = tl.load(ckpt_ptr + batch * s_kb + ch64 * s_kd + c * s_kc + n, mask=st_ok,
                         other=0.0).to(ACC)  # fmt: skip
         elif HAS_H0:
@@ -146,7 +217,7 @@ def _scan_bwd_kernel(
                         other=0.0).to(ACC)  # fmt: skip
         else:
             h = tl.zeros([BD, NS, NI], ACC)
-        for t0 in range(lo, hi, T):
+        for t0 in tl.range(lo, hi, T, num_stages=STAGES):
             tl.store(scratch_tile + ((t0 - c * CKPT) // T) * (BD * NP), h)
             t = t0 + t_idx
             t64 = t.to(tl.int64)
@@ -163,7 +234,7 @@ def _scan_bwd_kernel(
         tl.debug_barrier()
         # 2. Tiles of the chunk, last first.
         n_tiles = (hi - lo + T - 1) // T
-        for k_rev in range(0, n_tiles):
+        for k_rev in tl.range(0, n_tiles, num_stages=STAGES):
             t0 = lo + (n_tiles - 1 - k_rev) * T
             h_in = tl.load(scratch_tile + ((t0 - c * CKPT) // T) * (BD * NP))
             t = t0 + t_idx
@@ -172,12 +243,7 @@ def _scan_bwd_kernel(
             dt_raw, dt, uu = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, bias, HAS_BIAS,
                                           SOFTPLUS, ACC, FAST)  # fmt: skip
             dtu = dt * uu
-            dout = time_tile(dout_row, t64, s_ot, m, ACC)
-            dy = dout
-            if HAS_Z:
-                zz = time_tile(z_row, t64, s_zt, m, ACC)
-                sig_z = sigmoid(zz, FAST)
-                dy = dout * zz * sig_z
+            dout, dy, zz, sig_z = _dy_tile(dout_row, z_row, t64, s_ot, s_zt, m, HAS_Z, ACC, FAST)
             sum_dhb = tl.zeros([BD, NS, T], ACC)  # sum_n dh B
             sum_adhh = tl.zeros([BD, NS, T], ACC)  # sum_n A2 dh (h - x)
             y = tl.zeros([BD, NS, T], ACC)
@@ -187,17 +253,15 @@ def _scan_bwd_kernel(
                 b_i = _bc_tile(B_row, t0, i, t_idx, B_const, i_idx, B_VAR, NP, T, ACC)
                 c_i = _bc_tile(C_row, t0, i, t_idx, C_const, i_idx, C_VAR, NP, T, ACC)
                 x = dtu * b_i
+                h_first = pick(h_in, i_idx, i)
                 _, hs = tl.associative_scan(
-                    (a, tl.where(t_idx == 0, x + a * pick(h_in, i_idx, i)[:, :, None], x)),
+                    (a, tl.where(t_idx == 0, x + a * h_first[:, :, None], x)),
                     axis=2, combine_fn=combine,
                 )  # fmt: skip
                 y += hs * c_i
-                g = dy * c_i
-                g = tl.where(t_idx == T - 1, g + pick(dh_carry, i_idx, i)[:, :, None], g)
-                _, dh = tl.associative_scan((shift_left(a, t_idx, T), g), axis=2,
-                                            combine_fn=combine, reverse=True)  # fmt: skip
+                dh = reverse_recurrence(a, dy * c_i, pick(dh_carry, i_idx, i), t_idx, T)
                 dh_carry = put(dh_carry, i_idx, i, pick(a, t_idx, 0) * pick(dh, t_idx, 0))
-                dhh = dh * (hs - x)  # dh * exp(delta A) * h_{t-1}
+                dhh = dh * a * shift_right(hs, h_first, t_idx, T)  # dh exp(delta A) h_{t-1}
                 sum_dhb += dh * b_i
                 sum_adhh += dhh * a2_i
                 dA_acc = put(dA_acc, i_idx, i, pick(dA_acc, i_idx, i) + tl.sum(dhh * dt, axis=2))
@@ -226,31 +290,28 @@ def _scan_bwd_kernel(
             if SOFTPLUS:
                 ddt *= tl.where(dt_raw > 20.0, 1.0, sigmoid(dt_raw, FAST))
             ddt = tl.where(m, ddt, 0.0)
-            store_mask = m & (lane == 0)
-            tl.store(du_ptr + grad_row + t64, du.to(du_ptr.dtype.element_ty), mask=store_mask)
-            tl.store(ddelta_ptr + grad_row + t64, ddt.to(ddelta_ptr.dtype.element_ty),
-                     mask=store_mask)  # fmt: skip
+            tl.store(du_ptr + grad_row + t64, du.to(du_ptr.dtype.element_ty), mask=m)
+            tl.store(ddelta_ptr + grad_row + t64, ddt.to(ddelta_ptr.dtype.element_ty), mask=m)
             if HAS_Z:
                 y = tl.sum(y, axis=1)[:, None, :] + Dv * uu
                 dz = dout * y * sig_z * (1.0 + zz * (1.0 - sig_z))
-                tl.store(dz_ptr + grad_row + t64, dz.to(dz_ptr.dtype.element_ty), mask=store_mask)
+                tl.store(dz_ptr + grad_row + t64, dz.to(dz_ptr.dtype.element_ty), mask=m)
             dD_acc += dy * uu
             dbias_acc += ddt
         tl.debug_barrier()
 
     # Per-program partial sums; the launcher reduces them over sequences in a fixed order.
-    part = seq64 * dim * NP + ch64 * NP + n  # [BD, NS, NI] into (num_states, dim, NP)
+    part_row = (seq64 * n_ranges + rng) * dim + ch64  # into (num_states * n_ranges, dim, ...)
+    part = part_row * NP + n
     tl.store(dA_ptr + part, dA_acc, mask=row_ok)
     if not B_VAR:
         tl.store(dB_ptr + part, dB_acc, mask=row_ok)
     if not C_VAR:
         tl.store(dC_ptr + part, dC_acc, mask=row_ok)
     if HAS_H0:
-        tl.store(dh0_ptr + seq64 * dim * DSTATE + ch64 * DSTATE + n, dh_carry, mask=st_ok)
-    first_lane = row_ok & (lane == 0)
+        tl.store(dh0_ptr + seq64 * dim * DSTATE + ch64 * DSTATE + n, dh_carry,
+                 mask=st_ok & (rng == 0))  # fmt: skip
     if HAS_D:
-        tl.store(dD_ptr + seq64 * dim + ch64 + lane_off, tl.sum(dD_acc, axis=2)[:, :, None],
-                 mask=first_lane)  # fmt: skip
+        tl.store(dD_ptr + part_row, tl.sum(dD_acc, axis=2)[:, :, None], mask=row_ok)
     if HAS_BIAS:
-        tl.store(dbias_ptr + seq64 * dim + ch64 + lane_off, tl.sum(dbias_acc, axis=2)[:, :, None],
-                 mask=first_lane)  # fmt: skip
+        tl.store(dbias_ptr + part_row, tl.sum(dbias_acc, axis=2)[:, :, None], mask=row_ok)

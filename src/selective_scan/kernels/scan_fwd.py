@@ -10,6 +10,12 @@ checkpoint for the backward; the final state is stored as last_state.
 Variable B and C arrive pre-blocked as float32 (batch, groups, seqlen / T, NP, T) tiles (see
 `bc_blocks`): one aligned, unmasked vector load per (state, tile), no conversion in the loop.
 
+Few (batch, channel) pairs leave most of the GPU idle, so a sequence can also be cut into
+ranges of RL steps processed by separate programs (program axis 2), in two launches: LOCAL=True
+runs each range but the last from a zero state and stores only its end state and sum(delta);
+the full launch then starts range r from the true state entering it, combined in order from
+those (the state entering range r + 1 is exp(A sum(delta_r)) h_in(r) + h_local(r)).
+
 Steps outside [start, end) of the sequence (the head of the first tile, the tail of the last)
 get delta = 0, i.e. exp(0 * A) = 1 and no input: they carry the state through unchanged.
 """
@@ -23,8 +29,8 @@ from .common import LOG2E, combine, pick, put, sigmoid, softplus, time_tile
 @triton.jit
 def _scan_fwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
-    out_ptr, last_ptr, ckpt_ptr,
-    dim, seqlen,
+    out_ptr, last_ptr, ckpt_ptr, hloc_ptr, dtsum_ptr,
+    dim, seqlen, RL, n_ranges,
     s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An,
     tiles, B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn,
     s_D, s_bias, s_hb, s_hd, s_hn, s_ob, s_od, s_kb, s_kd, s_kc, s_lb, s_ld,
@@ -32,18 +38,20 @@ def _scan_fwd_kernel(
     T: tl.constexpr, CKPT: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, VARLEN: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
-    ACC: tl.constexpr, FAST: tl.constexpr,
+    ACC: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr, LOCAL: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(1)
-    if VARLEN:
+    rng = tl.program_id(2)
+    if VARLEN:  # one range per sequence
         start = tl.load(cu_ptr + seq).to(tl.int32)
         end = tl.load(cu_ptr + seq + 1).to(tl.int32)
         batch = (seq * 0).to(tl.int64)
     else:
-        start = 0
-        end = seqlen
+        start = rng * RL
+        end = tl.minimum(seqlen, start + RL)
         batch = seq.to(tl.int64)
 
+    blk_first = (tl.program_id(0) * BD).to(tl.int64)  # first channel of the block
     ch = tl.program_id(0) * BD + tl.arange(0, BD)
     ch64 = ch.to(tl.int64)[:, None, None]  # [BD, 1, 1]
     row_ok = (ch < dim)[:, None, None]
@@ -52,21 +60,28 @@ def _scan_fwd_kernel(
     t_idx = tl.arange(0, T)[None, None, :]  # [1, 1, T]
     n = lane * NI + i_idx  # [1, NS, NI]: the state index
     st_ok = row_ok & (n < DSTATE)
-    lane_off = (lane * 0).to(tl.int64)  # gives per-channel tiles their NS axis
 
     A2 = tl.load(A_ptr + ch64 * s_Ad + n * s_An, mask=st_ok, other=0.0).to(ACC)
     A2 *= tl.full([1, 1, 1], LOG2E, ACC)  # exact in float64 too (a bare literal is fp32)
-    if HAS_H0:
+    h = tl.zeros([BD, NS, NI], ACC)
+    if HAS_H0 and not LOCAL:
         h = tl.load(h0_ptr + seq.to(tl.int64) * s_hb + ch64 * s_hd + n * s_hn, mask=st_ok,
                     other=0.0).to(ACC)  # fmt: skip
-    else:
-        h = tl.zeros([BD, NS, NI], ACC)
+    # State entering this range: fold in the earlier ranges' local end states, in order.
+    range_row = (seq.to(tl.int64) * n_ranges) * dim + ch64  # [BD, 1, 1] into (.., ranges, dim)
+    if not LOCAL:
+        for r in range(0, rng):
+            dtsum = tl.load(dtsum_ptr + range_row + r * dim, mask=row_ok, other=0.0)
+            h_r = tl.load(hloc_ptr + (range_row + r * dim) * (NS * NI) + n, mask=st_ok, other=0.0)
+            h = tl.math.exp2(A2 * dtsum) * h + h_r
     # B/C: constant (dim, dstate) with strides (s_Bd, s_Bn), or blocks (see bc_blocks) whose
     # offsets are multiples of T by construction, which lets Triton emit aligned vector loads.
-    ch_in = tl.minimum(ch64, dim - 1)  # in-bounds channel: block loads need no mask
+    # B/C tiles are loaded once per program ([1, NS, T]), not once per channel: with the loop
+    # software-pipelined, they pass through shared memory and every channel reads them there.
+    ch_in = tl.minimum(blk_first, dim - 1)
     if B_VAR:
         B_row = B_ptr + ((batch * B_groups + ch_in // B_group) * tiles) * (NS * NI * T)
-        B_row += lane * (NI * T)  # [BD, NS, 1]: this lane's first state
+        B_row += lane * (NI * T)  # [1, NS, 1]: this lane's first state
     else:
         B_const = tl.load(B_ptr + ch64 * s_Bd + n * s_Bn, mask=st_ok, other=0.0).to(ACC)
     if C_VAR:
@@ -78,18 +93,19 @@ def _scan_fwd_kernel(
         Dv = tl.load(D_ptr + ch64 * s_D, mask=row_ok, other=0.0).to(ACC)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + ch64 * s_bias, mask=row_ok, other=0.0).to(ACC)
-    u_row = u_ptr + batch * s_ub + ch64 * s_ud + lane_off
-    dt_row = delta_ptr + batch * s_db + ch64 * s_dd + lane_off
+    u_row = u_ptr + batch * s_ub + ch64 * s_ud
+    dt_row = delta_ptr + batch * s_db + ch64 * s_dd
     if HAS_Z:
-        z_row = z_ptr + batch * s_zb + ch64 * s_zd + lane_off
-    out_row = out_ptr + batch * s_ob + ch64 * s_od + lane_off
+        z_row = z_ptr + batch * s_zb + ch64 * s_zd
+    out_row = out_ptr + batch * s_ob + ch64 * s_od
     ckpt_tile = ckpt_ptr + batch * s_kb + ch64 * s_kd + n
 
-    for t0 in range((start // T) * T, end, T):
+    dt_total = tl.zeros([BD, 1, T], ACC)
+    for t0 in tl.range((start // T) * T, end, T, num_stages=STAGES):
         t = t0 + t_idx
         t64 = t.to(tl.int64)
         m = row_ok & (t >= start) & (t < end)  # [BD, 1, T]
-        if (t0 % CKPT == 0) & (t0 >= start):
+        if not LOCAL and (t0 % CKPT == 0) & (t0 >= start):
             tl.store(ckpt_tile + (t0 // CKPT) * s_kc, h, mask=st_ok)
         dt = time_tile(dt_row, t64, s_dt, m, ACC)
         if HAS_BIAS:
@@ -97,6 +113,7 @@ def _scan_fwd_kernel(
         if SOFTPLUS:
             dt = softplus(dt, FAST)
         dt = tl.where(m, dt, 0.0)
+        dt_total += dt
         uu = time_tile(u_row, t64, s_ut, m, ACC)
         dtu = dt * uu
         y = tl.zeros([BD, NS, T], ACC)
@@ -110,17 +127,25 @@ def _scan_fwd_kernel(
             x = dtu * b_i
             x = tl.where(t_idx == 0, x + a * pick(h, i_idx, i)[:, :, None], x)
             _, hs = tl.associative_scan((a, x), axis=2, combine_fn=combine)
-            if C_VAR:
-                c_i = tl.load(C_row + (t0 // T) * (NS * NI * T) + i * T + t_idx).to(ACC)
-            else:
-                c_i = pick(C_const, i_idx, i)[:, :, None]
-            y += hs * c_i
             h = put(h, i_idx, i, pick(hs, t_idx, T - 1))
-        out = tl.sum(y, axis=1)[:, None, :]
-        if HAS_D:
-            out += Dv * uu
-        if HAS_Z:
-            zz = time_tile(z_row, t64, s_zt, m, ACC)
-            out *= zz * sigmoid(zz, FAST)
-        tl.store(out_row + t64, out.to(out_ptr.dtype.element_ty), mask=m & (lane == 0))
-    tl.store(last_ptr + seq.to(tl.int64) * s_lb + ch64 * s_ld + n, h, mask=st_ok)
+            if not LOCAL:
+                if C_VAR:
+                    c_i = tl.load(C_row + (t0 // T) * (NS * NI * T) + i * T + t_idx).to(ACC)
+                else:
+                    c_i = pick(C_const, i_idx, i)[:, :, None]
+                y += hs * c_i
+        if not LOCAL:
+            out = tl.sum(y, axis=1)[:, None, :]
+            if HAS_D:
+                out += Dv * uu
+            if HAS_Z:
+                zz = time_tile(z_row, t64, s_zt, m, ACC)
+                out *= zz * sigmoid(zz, FAST)
+            tl.store(out_row + t64, out.to(out_ptr.dtype.element_ty), mask=m)
+    if LOCAL:
+        tl.store(hloc_ptr + (range_row + rng * dim) * (NS * NI) + n, h, mask=st_ok)
+        tl.store(dtsum_ptr + range_row + rng * dim, tl.sum(dt_total, axis=2)[:, :, None],
+                 mask=row_ok)  # fmt: skip
+    else:
+        last_ok = st_ok & (rng == n_ranges - 1)
+        tl.store(last_ptr + seq.to(tl.int64) * s_lb + ch64 * s_ld + n, h, mask=last_ok)

@@ -1,0 +1,235 @@
+"""GPU benchmark of the Triton selective scan against the anchor figures (H200).
+
+    python bench/gpu_bench.py --out $OUT [--shapes S1,S7] [--quick]
+
+For every shape: forward and backward kernel time (median of triton.testing.do_bench after
+warm-up; inputs rotated so that they never sit in L2), the fraction of the physical floor
+reached, peak memory of forward + backward, and the anchor ratios. Also: eager call vs
+torch.compile vs CUDA-graph replay for the small shape, first-call compile time, determinism of
+the backward, and time vs seqlen for the plot. Writes <out>/h200.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import ANCHORS_MS, SHAPES, make_bench_inputs
+
+import selective_scan  # noqa: F401  (registers the ops)
+from selective_scan import selective_scan_fn, selective_scan_ref
+
+COPY_BW = 4.27e12  # bytes/s, measured device-to-device copy on the H200 (anchors.md)
+EXP_RATE = 4.15e12  # ex2/s, measured MUFU rate on the H200 (anchors.md)
+L2_BYTES = 60e6
+
+OPS = torch.ops.selective_scan
+FWD_ARGS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens",
+            "delta_softplus")  # fmt: skip
+
+
+def floors_ms(shape: str, dtype: torch.dtype) -> tuple[float, float]:
+    """(forward floor, backward floor) in ms: the larger of bytes / copy bandwidth and
+    batch * dim * dstate * seqlen exponentials / MUFU rate."""
+    batch, dim, dstate, seqlen, groups, _ = SHAPES[shape]
+    elt = torch.empty((), dtype=dtype).element_size()
+    E, G = batch * dim * seqlen, batch * groups * dstate * seqlen
+    exps = batch * dim * dstate * seqlen / EXP_RATE
+    fwd_bytes = (4 * E + 2 * G) * elt  # read u, delta, z, B, C; write out
+    bwd_bytes = (7 * E + 4 * G) * elt  # read u, delta, z, dout, B, C; write du, ddelta, dz, dB, dC
+    return 1e3 * max(fwd_bytes / COPY_BW, exps), 1e3 * max(bwd_bytes / COPY_BW, exps)
+
+
+def input_sets(shape: str, dtype=None, seqlen=None) -> list[dict]:
+    """Enough independent input sets that together they exceed 3x the L2 cache."""
+    first = make_bench_inputs(shape, dtype=dtype, small_seqlen=seqlen)
+    size = sum(t.numel() * t.element_size() for t in first.values() if torch.is_tensor(t))
+    count = max(1, min(8, math.ceil(3 * L2_BYTES / size)))
+    return [first] + [make_bench_inputs(shape, dtype=dtype, small_seqlen=seqlen, seed=s)
+                      for s in range(1, count)]  # fmt: skip
+
+
+def time_rotating(fn, count: int) -> float:
+    """Median ms of fn(i), i cycling through count input sets."""
+    state = {"i": 0}
+
+    def call():
+        fn(state["i"] % count)
+        state["i"] += 1
+
+    return do_bench(call, warmup=100, rep=400, return_mode="median")
+
+
+def fwd_op(x: dict):
+    return OPS.scan_fwd_triton(*[x[k] for k in FWD_ARGS])
+
+
+def bench_shape(shape: str, seqlen=None) -> dict:
+    dtype = SHAPES[shape][-1]
+    sets = input_sets(shape, seqlen=seqlen)
+    saved = []
+    for x in sets:
+        out, _, ckpt = fwd_op(x)
+        saved.append((torch.randn_like(out), ckpt))
+
+    def bwd(i):
+        dout, ckpt = saved[i]
+        args = [sets[i][k] for k in FWD_ARGS[:-1]]
+        return OPS.scan_bwd_triton(dout, None, *args, ckpt, True)
+
+    fwd_ms = time_rotating(lambda i: fwd_op(sets[i]), len(sets))
+    bwd_ms = time_rotating(bwd, len(sets))
+    result = {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms}
+    if seqlen is None:
+        floor_f, floor_b = floors_ms(shape, dtype)
+        anchor_f, anchor_b = ANCHORS_MS[shape]
+        result.update(
+            anchor_fwd_ms=anchor_f, anchor_bwd_ms=anchor_b, floor_fwd_ms=floor_f,
+            floor_bwd_ms=floor_b, fwd_speedup=anchor_f / fwd_ms, bwd_speedup=anchor_b / bwd_ms,
+            fwd_floor_fraction=floor_f / fwd_ms, bwd_floor_fraction=floor_b / bwd_ms,
+            peak_mem_bytes=peak_memory(sets[0]),
+        )  # fmt: skip
+    return result
+
+
+def peak_memory(x: dict) -> int:
+    """Peak bytes allocated during forward + backward through the public function, above the
+    inputs already resident."""
+    inputs = {k: v.detach().requires_grad_(v.is_floating_point()) if torch.is_tensor(v) else v
+              for k, v in x.items()}  # fmt: skip
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out, last = selective_scan_fn(**inputs, return_last_state=True)
+    (out.float().sum() + last.sum()).backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def bench_modes(shape: str = "S6") -> dict:
+    """Eager call vs torch.compile'd call vs CUDA-graph replay of the compiled call."""
+    x = make_bench_inputs(shape)
+    args = {k: v for k, v in x.items()}
+
+    def eager():
+        return selective_scan_fn(**args)
+
+    t0 = time.perf_counter()
+    compiled = torch.compile(lambda: selective_scan_fn(**args), fullgraph=True)
+    compiled()
+    torch.cuda.synchronize()
+    compile_s = time.perf_counter() - t0
+    graph = torch.cuda.CUDAGraph()
+    static = compiled()  # warm
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        static = compiled()
+    result = {
+        "eager_ms": do_bench(eager, warmup=50, rep=200, return_mode="median"),
+        "compiled_ms": do_bench(compiled, warmup=50, rep=200, return_mode="median"),
+        "cuda_graph_ms": do_bench(graph.replay, warmup=50, rep=200, return_mode="median"),
+        "compile_first_call_s": compile_s,
+    }
+    ref = selective_scan_ref(**{k: v.double() if torch.is_tensor(v) and v.is_floating_point()
+                                 else v for k, v in args.items()})  # fmt: skip
+    result["graph_rel_err"] = ((static.double() - ref).norm() / ref.norm()).item()
+    return result
+
+
+def determinism(shape: str = "S1") -> dict:
+    x = make_bench_inputs(shape)
+    out, _, ckpt = fwd_op(x)
+    dout = torch.randn_like(out)
+    args = [x[k] for k in FWD_ARGS[:-1]]
+    first = OPS.scan_bwd_triton(dout, None, *args, ckpt, True)
+    same = all(
+        all(torch.equal(a, b) for a, b in zip(first, OPS.scan_bwd_triton(dout, None, *args, ckpt,
+                                                                         True), strict=True))
+        for _ in range(3)
+    )  # fmt: skip
+    return {"bitwise_identical_backward_x3": same}
+
+
+def cold_compile(shape: str = "S1") -> dict:
+    """Seconds of the first call in this process for fwd and bwd (Triton JIT compile)."""
+    x = make_bench_inputs(shape, dtype="fp16")  # a dtype not compiled yet in this run
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out, _, ckpt = fwd_op(x)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    args = [x[k] for k in FWD_ARGS[:-1]]
+    OPS.scan_bwd_triton(torch.randn_like(out), None, *args, ckpt, True)
+    torch.cuda.synchronize()
+    return {"fwd_first_call_s": t1 - t0, "bwd_first_call_s": time.perf_counter() - t1}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--quick", action="store_true", help="shapes only, no extras")
+    args = parser.parse_args()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "method": "triton.testing.do_bench median (warmup 100 ms, rep 400 ms), inputs rotated "
+        "over >= 3x L2; bf16 unless noted; variable B/C, D, z, delta_bias, softplus",
+        "shapes": {},
+    }
+    for shape in args.shapes.split(","):
+        try:
+            results["shapes"][shape] = bench_shape(shape)
+        except Exception as e:  # keep the other shapes' numbers
+            results["shapes"][shape] = {"error": repr(e)}
+        print(shape, json.dumps(results["shapes"][shape]), flush=True)
+    if not args.quick:
+        for name, fn in (("modes_S6", bench_modes), ("determinism_S1", determinism),
+                         ("cold_compile_S1_fp16", cold_compile)):  # fmt: skip
+            try:
+                results[name] = fn()
+            except Exception as e:
+                results[name] = {"error": repr(e)}
+            print(name, json.dumps(results[name]), flush=True)
+        results["seqlen_sweep_S1"] = {}
+        for L in (256, 512, 1024, 2048, 4096, 8192):
+            try:
+                results["seqlen_sweep_S1"][L] = bench_shape("S1", seqlen=L)
+            except Exception as e:
+                results["seqlen_sweep_S1"][L] = {"error": repr(e)}
+    (out_dir / "h200.json").write_text(json.dumps(results, indent=1))
+    print(
+        f"\n{'shape':6} {'fwd ms':>8} {'anchor':>8} {'x':>5} {'floor%':>7} | "
+        f"{'bwd ms':>8} {'anchor':>8} {'x':>5} {'floor%':>7} | peak MB"
+    )
+    for shape, r in results["shapes"].items():
+        if "error" in r:
+            print(shape, r["error"][:100])
+            continue
+        print(
+            f"{shape:6} {r['fwd_ms']:8.4f} {r['anchor_fwd_ms']:8.4f} {r['fwd_speedup']:5.2f} "
+            f"{100 * r['fwd_floor_fraction']:6.1f}% | {r['bwd_ms']:8.4f} "
+            f"{r['anchor_bwd_ms']:8.4f} {r['bwd_speedup']:5.2f} "
+            f"{100 * r['bwd_floor_fraction']:6.1f}% | {r['peak_mem_bytes'] / 2**20:.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Time the scan kernels under several tile configurations (GPU), to choose the defaults.
+
+    python bench/tune_gpu.py --shapes S1,S7 --configs "NS=1;NS=2;NS=1,STAGES=2" [--which fwd,bwd]
+
+Each configuration is a set of overrides of kernels.scan.config (T, NS, NI, CH, num_warps,
+STAGES). Prints one line per (shape, direction, configuration): median ms (do_bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import make_bench_inputs
+
+from selective_scan.kernels import scan
+
+FWD_ARGS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
+
+
+def parse(config: str) -> dict:
+    return {k: int(v) for k, v in (kv.split("=") for kv in config.split(",") if kv)}
+
+
+def use_config(overrides: dict) -> None:
+    def config(dim, dstate, dtype, B, C):
+        return scan.with_overrides(default(dim, dstate, dtype, B, C), overrides, dim, B, C)
+
+    scan.config = config
+
+
+default = scan.config
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="S1,S7")
+    parser.add_argument("--configs", default="")
+    parser.add_argument("--which", default="fwd,bwd")
+    args = parser.parse_args()
+    for shape in args.shapes.split(","):
+        x = make_bench_inputs(shape)
+        inputs = [x[k] for k in FWD_ARGS]
+        for config in args.configs.split(";"):
+            use_config(parse(config))
+            try:
+                out, _, ckpt = scan.scan_fwd(*inputs, True)
+                dout = torch.randn_like(out)
+                calls = {
+                    "fwd": lambda inputs=inputs: scan.scan_fwd(*inputs, True),
+                    "bwd": lambda inputs=inputs, dout=dout, ckpt=ckpt: scan.scan_bwd(
+                        dout, None, *inputs, ckpt, True
+                    ),
+                }
+                for which in args.which.split(","):
+                    ms = do_bench(calls[which], warmup=50, rep=200, return_mode="median")
+                    print(f"{shape} {which} {config or 'default':28s} {ms:8.4f} ms", flush=True)
+            except Exception as e:
+                print(f"{shape} {config}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The registered operators themselves: torch.library.opcheck, fake vs real outputs, aliasing."""
+
+import pytest
+import torch
+from helpers import make_inputs
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+FWD = torch.ops.selective_scan.scan_fwd.default
+BWD = torch.ops.selective_scan.scan_bwd.default
+INPUTS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
+
+# (make_inputs arguments, delta_softplus): each B/C form, optional inputs present and absent,
+# initial_state, cu_seqlens (int32 and int64, with an empty sequence), several chunks, one step.
+SAMPLES = [
+    pytest.param(dict(b_form="constant", c_form="constant", seqlen=33), True, id="constant-all"),
+    pytest.param(dict(D=False, z=False, delta_bias=False, seqlen=33), False, id="variable-none"),
+    pytest.param(
+        dict(b_form="grouped", c_form="grouped", initial_state=True, seqlen=129),
+        True,
+        id="grouped-init-3chunks",
+    ),
+    pytest.param(
+        dict(b_form="grouped", c_form="constant", D=False, delta_bias=False),
+        False,
+        id="mixed-forms-z",
+    ),
+    pytest.param(dict(seqlen=1, initial_state=True), True, id="one-step"),
+    pytest.param(
+        dict(batch=1, seqlen=70, b_form="grouped", initial_state=True, cu_seqlens=[0, 5, 5, 70]),
+        True,
+        id="varlen",
+    ),
+    pytest.param(
+        dict(batch=1, seqlen=40, z=False, cu_seqlens=[0, 17, 40], index_dtype=torch.int64),
+        False,
+        id="varlen-int64",
+    ),
+    pytest.param(dict(dtype=torch.bfloat16, initial_state=True, seqlen=65), True, id="bfloat16"),
+]
+
+
+def inputs_for(kwargs: dict) -> dict:
+    kwargs = dict(kwargs)
+    index_dtype = kwargs.pop("index_dtype", torch.int32)
+    inputs = make_inputs(**kwargs)
+    if inputs["cu_seqlens"] is not None:
+        inputs["cu_seqlens"] = inputs["cu_seqlens"].to(index_dtype)
+    return inputs
+
+
+def fwd_args(inputs: dict, softplus: bool, requires_grad: bool = False) -> tuple:
+    """The forward's arguments in schema order."""
+    tensors = [inputs[k] for k in INPUTS]
+    if requires_grad:
+        tensors = [
+            t.detach().requires_grad_(True) if t is not None and t.is_floating_point() else t
+            for t in tensors
+        ]
+    return (*tensors, softplus)
+
+
+def bwd_args(inputs: dict, softplus: bool, with_dlast: bool = True) -> tuple:
+    """The backward's arguments in schema order, with the checkpoints of a real forward."""
+    out, last, checkpoints = FWD(*fwd_args(inputs, softplus))
+    gen = torch.Generator().manual_seed(3)
+    dout = torch.randn(out.shape, generator=gen).to(out.dtype)
+    dlast = torch.randn(last.shape, generator=gen).to(last.dtype) if with_dlast else None
+    return (dout, dlast, *(inputs[k] for k in INPUTS), checkpoints, softplus)
+
+
+@pytest.mark.parametrize(("kwargs", "softplus"), SAMPLES)
+def test_opcheck_fwd(kwargs, softplus):
+    torch.library.opcheck(FWD, fwd_args(inputs_for(kwargs), softplus, requires_grad=True))
+
+
+@pytest.mark.parametrize(("kwargs", "softplus"), SAMPLES[:3])
+def test_opcheck_fwd_without_grad(kwargs, softplus):
+    torch.library.opcheck(FWD, fwd_args(inputs_for(kwargs), softplus))
+
+
+@pytest.mark.parametrize("with_dlast", [True, False], ids=["dlast", "no_dlast"])
+@pytest.mark.parametrize(("kwargs", "softplus"), SAMPLES)
+def test_opcheck_bwd(kwargs, softplus, with_dlast):
+    torch.library.opcheck(BWD, bwd_args(inputs_for(kwargs), softplus, with_dlast))
+
+
+def layout(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.storage_offset(), t.dtype, t.device
+
+
+def assert_same_layout(fake: tuple, real: tuple) -> None:
+    assert len(fake) == len(real)
+    for i, (f, r) in enumerate(zip(fake, real, strict=True)):
+        assert layout(f) == layout(r), f"output {i}: fake {layout(f)} != real {layout(r)}"
+
+
+def run_fake(op, args: tuple) -> tuple:
+    with FakeTensorMode() as mode:
+        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        return op(*fake_args)
+
+
+@pytest.mark.parametrize("seqlen", [1, 64, 65, 200])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(b_form="grouped", c_form="constant", initial_state=True),
+        dict(D=False, z=False, delta_bias=False),
+        dict(batch=1, varlen=True, initial_state=True),
+        dict(dtype=torch.float16, b_form="constant"),
+        dict(dtype=torch.float64),
+    ],
+    ids=["grouped-constant-init", "no-optional", "varlen", "float16", "float64"],
+)
+def test_fake_matches_real(kwargs, seqlen):
+    """Inductor asserts the fake's sizes and strides on the real outputs: they must agree."""
+    kwargs = dict(kwargs)
+    if kwargs.pop("varlen", False):
+        kwargs["cu_seqlens"] = [0, seqlen // 2, seqlen]  # two sequences, one empty when seqlen=1
+    inputs = make_inputs(seqlen=seqlen, **kwargs)
+    args = fwd_args(inputs, True)
+    assert_same_layout(run_fake(FWD, args), FWD(*args))
+    args = bwd_args(inputs, True)
+    assert_same_layout(run_fake(BWD, args), BWD(*args))
+
+
+def storages(tensors) -> list[int]:
+    """Storage addresses of the non-empty tensors (empty placeholders own no memory)."""
+    return [
+        t.untyped_storage().data_ptr()
+        for t in tensors
+        if isinstance(t, torch.Tensor) and t.numel() > 0
+    ]
+
+
+@pytest.mark.parametrize(("kwargs", "softplus"), SAMPLES)
+def test_outputs_do_not_alias(kwargs, softplus):
+    inputs = inputs_for(kwargs)
+    for op, args in [(FWD, fwd_args(inputs, softplus)), (BWD, bwd_args(inputs, softplus))]:
+        outputs = storages(op(*args))
+        assert len(set(outputs)) == len(outputs), f"{op}: outputs share memory"
+        assert not set(outputs) & set(storages(args)), f"{op}: an output shares an input's memory"

@@ -1,0 +1,96 @@
+"""The Triton kernels' logic on CPU, under the Triton interpreter (TRITON_INTERPRET=1, set by
+conftest.py when there is no GPU), through the public API with SELECTIVE_SCAN_BACKEND=triton.
+
+The interpreter runs every program in Python, so these cases are few and short, chosen to cover
+the kernels' branches: variable/grouped/constant B and C, optional inputs, padded states, tails
+of tiles, several checkpoint chunks, sequence ranges (the two-launch path), packed sequences
+with an empty one, an initial state, float64 exactness and low-precision inputs. The full option
+grid runs on the real kernels in test_gpu.py and, parametrized by backend, on a GPU machine.
+"""
+
+import pytest
+import torch
+from conftest import TRITON_RUNS
+from helpers import float_inputs, make_inputs, oracle, rel_err
+
+from selective_scan import selective_scan_fn
+from selective_scan.kernels import scan
+
+pytestmark = [
+    pytest.mark.skipif(not TRITON_RUNS, reason="needs triton (a GPU or the interpreter)"),
+    pytest.mark.usefixtures("poison_uninitialized"),
+]
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BOUND = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+CASES = {
+    # 300 steps: three 128-step chunks, cut into ranges (few channels), tail of a tile.
+    "ranges-init": dict(seqlen=300, dstate=8, initial_state=True),
+    "float64-constB-groupedC-strided": dict(
+        seqlen=130, dtype=torch.float64, b_form="constant", c_form="grouped", D=False, z=False,
+        delta_bias=False, strided=True,
+    ),
+    "varlen-empty-init": dict(
+        batch=1, seqlen=150, cu_seqlens=[0, 10, 10, 64, 131, 150], initial_state=True,
+        b_form="grouped", dstate=8,
+    ),
+    "bf16-padded-states-nosoftplus": dict(seqlen=41, dtype=torch.bfloat16, dstate=5,
+                                          softplus=False),
+    "one-step": dict(seqlen=1, dstate=16, c_form="constant"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_triton_kernels_match_oracle(name, monkeypatch):
+    monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", "triton")
+    case = dict(CASES[name])
+    softplus = case.pop("softplus", True)
+    strided = case.pop("strided", False)
+    inputs = make_inputs(device=DEVICE, batch=case.pop("batch", 2), dim=8, **case)
+    names = float_inputs(inputs)
+    leaves = {k: v.detach().clone().requires_grad_(True) if k in names else v
+              for k, v in inputs.items()}  # fmt: skip
+    args = dict(leaves)
+    if strided:  # the kernels take any strides: feed transposed and sliced views
+        for k in ("u", "delta"):
+            args[k] = leaves[k].transpose(1, 2).contiguous().transpose(1, 2)
+        args["A"] = leaves["A"].t().contiguous().t()
+        args["C"] = torch.cat([leaves["C"], leaves["C"]], dim=-1)[..., : leaves["C"].shape[-1]]
+    out, last = selective_scan_fn(**args, delta_softplus=softplus, return_last_state=True)
+    gen = torch.Generator().manual_seed(7)
+    w = (torch.randn(out.shape, generator=gen, dtype=torch.float64).to(DEVICE),
+         torch.randn(last.shape, generator=gen, dtype=torch.float64).to(DEVICE))  # fmt: skip
+    loss = (out.double() * w[0]).sum() + (last.double() * w[1]).sum()
+    grads = torch.autograd.grad(loss, [leaves[k] for k in names])
+    ref_out, ref_last, ref_grads = oracle(inputs, softplus, w)
+    bound = BOUND[inputs["u"].dtype]
+    assert rel_err(out, ref_out) < bound
+    assert rel_err(last, ref_last) < max(bound, 1e-6)
+    for k, g in zip(names, grads, strict=True):
+        if ref_grads[k].abs().max() == 0:  # e.g. dA with one step and no initial state
+            assert g.abs().max() < 1e-6, k
+        else:
+            assert rel_err(g, ref_grads[k]) < bound, k
+
+
+def test_blocked_bc_layout():
+    """bc_blocks: (batch, groups, tiles, NP, T), zero-padded in time and states."""
+    B = torch.randn(2, 3, 5, 21, dtype=torch.float64).transpose(2, 3).contiguous().transpose(2, 3)
+    blocks = scan.bc_blocks(B, 4, 8, torch.float32)
+    assert blocks.shape == (2, 3, 6, 8, 4) and blocks.is_contiguous()
+    for t in (0, 7, 20, 23):
+        for n in (0, 4, 7):
+            want = B[1, 2, n, t].float() if t < 21 and n < 5 else torch.tensor(0.0)
+            assert blocks[1, 2, t // 4, n, t % 4] == want
+
+
+def test_ranges_only_for_idle_gpus():
+    """Sequences are cut into ranges only when few (sequence, channel) pairs exist, never for
+    packed sequences or symbolic sizes, and the ranges cover the sequence in CKPT multiples."""
+    B = torch.empty(1, 16, 8)
+    cfg = scan.config(1536, 16, torch.bfloat16, B, B)
+    count, length = scan.ranges(cfg, 1, 1536, 16384, varlen=False)
+    assert count > 1 and length % scan.CKPT == 0 and (count - 1) * length < 16384 <= count * length
+    assert scan.ranges(cfg, 8, 5120, 2048, varlen=False)[0] == 1
+    assert scan.ranges(cfg, 1, 1536, 16384, varlen=True)[0] == 1
