@@ -54,7 +54,7 @@ def _fresh(t: Tensor, dtype: torch.dtype) -> Tensor:
     return out
 
 
-_PANEL = 32
+_PANEL = 32  # rows per panel in _transpose: 128-byte float32 runs; 16 and 64 measured slower
 
 
 def _transpose(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -102,11 +102,13 @@ class _StateWeight:
             self.t = _fresh(t.permute(3, 0, 1, 2), cdt)  # (seqlen, batch, groups, dstate)
 
     def chunk(self, t0: int, t1: int) -> Tensor:
+        """This weight for steps [t0, t1), shaped to broadcast against split buffers."""
         if self.constant:
             return self.t[None, None, :, None, :]
         return self.t[t0:t1].unsqueeze(3)
 
     def split(self, buf: Tensor) -> Tensor:
+        """(T, batch, dim, ...) -> (T, batch, groups, dim // groups, ...) view."""
         T, batch, dim = buf.shape[:3]
         return buf.view(T, batch, self.groups, dim // self.groups, *buf.shape[3:])
 
@@ -273,6 +275,7 @@ def _scan(a: Tensor, x: Tensor, reverse: bool = False) -> None:
 
 
 def _silu(z: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """silu(z) in dtype (z: the gate, or None)."""
     return None if z is None else F.silu(z.to(dtype))
 
 
@@ -399,8 +402,9 @@ def scan_bwd(
         p.B.add_grad(dB, g, _steps(p.dtu, t0, t1), t0, t1, scratch)
         p.C.add_grad(dC, states, dy_block, t0, t1, scratch)
         if y is not None:
-            p.C.contract(states, p.C.chunk(t0, t1), out=du_block, scratch=scratch)
-            _steps(y, t0, t1).copy_(du_block)
+            y_block = du_block  # du of this block is stored: reuse its buffer
+            p.C.contract(states, p.C.chunk(t0, t1), out=y_block, scratch=scratch)
+            _steps(y, t0, t1).copy_(y_block)
     if dinit is not None and p.segments is None:
         dinit = carry
     dD = _empty(u)
