@@ -22,7 +22,7 @@ def make_inputs(
     c_form: str = "variable",
     groups: int = 2,
     dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
+    device: str = "cuda" if torch.cuda.is_available() else "cpu",
     D: bool = True,
     z: bool = True,
     delta_bias: bool = True,

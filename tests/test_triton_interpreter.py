@@ -87,7 +87,7 @@ def test_blocked_bc_layout():
 
 def test_ranges_only_for_idle_gpus():
     """Sequences are cut into ranges only when few (sequence, channel) pairs exist, never for
-    packed sequences or symbolic sizes, and the ranges cover the sequence in CKPT multiples."""
+    packed sequences, and the ranges cover the sequence in CKPT multiples."""
     B = torch.empty(1, 16, 8)
     cfg = scan.config(1536, 16, torch.bfloat16, B, B)
     count, length = scan.ranges(cfg, 1, 1536, 16384, varlen=False)

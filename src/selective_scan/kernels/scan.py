@@ -77,27 +77,6 @@ def config(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor) -> dict:
     return _derive_block(cfg, dim, B, C)
 
 
-# Warps at which a launch keeps the H200's 528 schedulers busy enough (about 4 each).
-TARGET_WARPS = 2048
-
-
-def ranges(cfg: dict, num_states, dim, seqlen, varlen: bool) -> tuple[int, int]:
-    """(number of ranges, range length) a sequence is cut into (see scan_fwd.py). More than one
-    only when few (sequence, channel) pairs would leave the GPU idle, sizes are concrete
-    (symbolic sizes under torch.compile(dynamic=True)/export get one range: no guard on them),
-    and not for packed sequences (they bring their own parallelism)."""
-    one = (1, checkpoint_slots(seqlen, CKPT) * CKPT)
-    if varlen or not all(isinstance(x, int) for x in (num_states, dim, seqlen)):
-        return one
-    warps = num_states * triton.cdiv(dim, cfg["BD"]) * cfg["num_warps"]
-    chunks = triton.cdiv(seqlen, CKPT)
-    wanted = min(triton.cdiv(TARGET_WARPS, warps), chunks) if 2 * warps < TARGET_WARPS else 1
-    if wanted <= 1:
-        return one
-    length = triton.cdiv(chunks, wanted) * CKPT
-    return triton.cdiv(seqlen, length), length
-
-
 def _derive_block(cfg: dict, dim, B: Tensor, C: Tensor) -> dict:
     cfg["NI"] = max(cfg.get("NI", 1), 1)
     BD = cfg["CH"] * (32 // cfg["NS"]) * cfg["num_warps"]
@@ -107,6 +86,32 @@ def _derive_block(cfg: dict, dim, B: Tensor, C: Tensor) -> dict:
             BD = min(BD, per_group & -per_group)  # largest power of two dividing it
     cfg["BD"] = BD
     return cfg
+
+
+# Warps at which a launch keeps the H200's 528 schedulers busy enough (about 4 each).
+TARGET_WARPS = 2048
+
+
+def ranges(cfg: dict, num_states, dim, seqlen, varlen: bool) -> tuple:
+    """(number of ranges, range length) a sequence is cut into (see scan_fwd.py): more than one
+    only when few (sequence, channel) pairs would leave the GPU idle, and never for packed
+    sequences (they bring their own parallelism). Plain integer arithmetic, so that symbolic
+    sizes (torch.compile(dynamic=True), torch.export) get the same ranges as eager without any
+    guard, and compiled and eager results agree bit for bit."""
+    chunks = triton.cdiv(seqlen, CKPT)
+    if varlen:
+        return 1, chunks * CKPT
+    warps = num_states * triton.cdiv(dim, cfg["BD"]) * cfg["num_warps"]
+    wanted = torch.sym_max(1, torch.sym_min(chunks, TARGET_WARPS // warps))
+    length = triton.cdiv(chunks, wanted) * CKPT
+    return triton.cdiv(seqlen, length), length
+
+
+def _may_exceed_one(n_ranges) -> bool:
+    """Whether the local launch is needed: skipped when there is surely one range (a launch of
+    an empty grid does nothing but costs Python overhead); kept for symbolic counts, where an
+    empty grid launches nothing."""
+    return not isinstance(n_ranges, int) or n_ranges > 1
 
 
 def with_overrides(cfg: dict, overrides: dict, dim, B: Tensor, C: Tensor) -> dict:
@@ -162,7 +167,7 @@ def scan_fwd(
     h_local = u.new_empty((num_states, n_ranges, dim, NP), dtype=cdt)
     dt_sums = u.new_empty((num_states, n_ranges, dim), dtype=cdt)
     blocks = triton.cdiv(dim, cfg["BD"])
-    for local in (True, False) if n_ranges > 1 else (False,):
+    for local in (True, False) if _may_exceed_one(n_ranges) else (False,):
         grid = (blocks, num_states, n_ranges - 1 if local else n_ranges)
         wrap_triton(_scan_fwd_kernel)[grid](
             u, delta, A, Bb, Cb, D, z, delta_bias, initial_state, cu_seqlens,
@@ -249,7 +254,7 @@ def scan_bwd(
     dt_sums = u.new_empty((num_states, n_ranges, dim), dtype=cdt)
     scratch = u.new_empty((programs * n_blocks * (CKPT // T) * BD * NP,), dtype=cdt)
     last_strides = (0, 0, 0) if dlast_state is None else dlast_state.stride()
-    for local in (True, False) if n_ranges > 1 else (False,):
+    for local in (True, False) if _may_exceed_one(n_ranges) else (False,):
         # The local launch covers ranges 1.. (program axis 2 is offset by one there).
         grid = (n_blocks, num_states, n_ranges - 1 if local else n_ranges)
         wrap_triton(_scan_bwd_kernel)[grid](
