@@ -44,7 +44,7 @@ LOAD = textwrap.dedent("""
 
 def load_in_fresh_process(path: Path, device: str, backtrace: bool) -> dict:
     cmd = [sys.executable, "-c", LOAD, str(path), device]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
     rc = result.returncode
     report = {
         "returncode": rc,
@@ -95,6 +95,7 @@ def main() -> None:
             report[device].update(load_in_fresh_process(path, device, args.backtrace))
         except Exception as e:
             report[device] = {"error": repr(e)}
+        (out / "aoti_probe.json").write_text(json.dumps(report, indent=1))
     try:
         report["gcc"] = subprocess.run(
             ["gcc", "--version"], capture_output=True, text=True
