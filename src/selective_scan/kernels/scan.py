@@ -27,6 +27,19 @@ from .scan_fwd import _scan_fwd_kernel
 CKPT = 128  # checkpoint interval (steps) of the Triton backend
 
 
+def cdiv(a, b):
+    """Ceiling division for ints and SymInts (triton.cdiv is a JIT function: slow to call)."""
+    return (a + b - 1) // b
+
+
+def _sym_min(a, b):
+    return min(a, b) if isinstance(a, int) and isinstance(b, int) else torch.sym_min(a, b)
+
+
+def _sym_max(a, b):
+    return max(a, b) if isinstance(a, int) and isinstance(b, int) else torch.sym_max(a, b)
+
+
 def _tl_dtype(dtype: torch.dtype):
     return triton.language.float64 if dtype == torch.float64 else triton.language.float32
 
@@ -72,7 +85,7 @@ def config(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor) -> dict:
     # directions; more warps hide the latency of the in-order loop better than fewer
     # redundant per-step instructions save.
     NS = min(4, n_pad)
-    cfg = dict(T=max(16 // torch.empty((), dtype=dtype).element_size(), 4), NS=NS,
+    cfg = dict(T=max(16 // dtype.itemsize, 4), NS=NS,
                NI=n_pad // NS, CH=1, num_warps=1, STAGES=3)  # fmt: skip
     return _derive_block(cfg, dim, B, C)
 
@@ -98,13 +111,13 @@ def ranges(cfg: dict, num_states, dim, seqlen, varlen: bool) -> tuple:
     sequences (they bring their own parallelism). Plain integer arithmetic, so that symbolic
     sizes (torch.compile(dynamic=True), torch.export) get the same ranges as eager without any
     guard, and compiled and eager results agree bit for bit."""
-    chunks = triton.cdiv(seqlen, CKPT)
+    chunks = cdiv(seqlen, CKPT)
     if varlen:
         return 1, chunks * CKPT
-    warps = num_states * triton.cdiv(dim, cfg["BD"]) * cfg["num_warps"]
-    wanted = torch.sym_max(1, torch.sym_min(chunks, TARGET_WARPS // warps))
-    length = triton.cdiv(chunks, wanted) * CKPT
-    return triton.cdiv(seqlen, length), length
+    warps = num_states * cdiv(dim, cfg["BD"]) * cfg["num_warps"]
+    wanted = _sym_max(1, _sym_min(chunks, TARGET_WARPS // warps))
+    length = cdiv(chunks, wanted) * CKPT
+    return cdiv(seqlen, length), length
 
 
 def _may_exceed_one(n_ranges) -> bool:
@@ -158,7 +171,6 @@ def scan_fwd(
     if cu_seqlens is not None and not is_fake(cu_seqlens):  # eager only: reads it to the host
         check_cu_seqlens_values(cu_seqlens, seqlen)
     ckpt = u.new_empty((batch, dim, checkpoint_slots(seqlen, CKPT), dstate), dtype=cdt)
-    ckpt[:, :, -1].zero_()  # the spare slot (see checkpoint_slots)
     cfg = config(dim, dstate, u.dtype, B, C)
     NP = cfg["NS"] * cfg["NI"]
     Bb, *sB = _bc_args(B, bc_blocks(B, cfg["T"], NP, cdt) if B.dim() > 2 else None, dim)
@@ -166,7 +178,7 @@ def scan_fwd(
     n_ranges, range_len = ranges(cfg, num_states, dim, seqlen, cu_seqlens is not None)
     h_local = u.new_empty((num_states, n_ranges, dim, NP), dtype=cdt)
     dt_sums = u.new_empty((num_states, n_ranges, dim), dtype=cdt)
-    blocks = triton.cdiv(dim, cfg["BD"])
+    blocks = cdiv(dim, cfg["BD"])
     for local in (True, False) if _may_exceed_one(n_ranges) else (False,):
         grid = (blocks, num_states, n_ranges - 1 if local else n_ranges)
         wrap_triton(_scan_fwd_kernel)[grid](
@@ -174,7 +186,7 @@ def scan_fwd(
             out, last, ckpt, h_local, dt_sums,
             dim, seqlen, range_len, n_ranges,
             *u.stride(), *delta.stride(), *_strides3(z), *A.stride(),
-            triton.cdiv(seqlen, cfg["T"]), *sB, *sC,
+            cdiv(seqlen, cfg["T"]), *sB, *sC,
             0 if D is None else D.stride(0), 0 if delta_bias is None else delta_bias.stride(0),
             *_strides3(initial_state), out.stride(0), out.stride(1),
             ckpt.stride(0), ckpt.stride(1), ckpt.stride(2), last.stride(0), last.stride(1),
@@ -229,7 +241,7 @@ def scan_bwd(
     num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     cfg = config(dim, dstate, u.dtype, B, C)
     NP, BD, T = cfg["NS"] * cfg["NI"], cfg["BD"], cfg["T"]
-    n_blocks = triton.cdiv(dim, BD)
+    n_blocks = cdiv(dim, BD)
     Bb, *sB = _bc_args(B, bc_blocks(B, T, NP, cdt) if B.dim() > 2 else None, dim)
     Cb, *sC = _bc_args(C, bc_blocks(C, T, NP, cdt) if C.dim() > 2 else None, dim)
 
@@ -262,7 +274,7 @@ def scan_bwd(
             dout, dlast_state, checkpoints, scratch,
             du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, dbias_part, dh0,
             dh_local, dt_sums,
-            dim, seqlen, triton.cdiv(seqlen, T), n_blocks, range_len, n_ranges,
+            dim, seqlen, cdiv(seqlen, T), n_blocks, range_len, n_ranges,
             *u.stride(), *delta.stride(), *_strides3(z), *A.stride(),
             *sB, *sC,
             0 if D is None else D.stride(0), 0 if delta_bias is None else delta_bias.stride(0),

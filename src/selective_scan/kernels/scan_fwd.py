@@ -149,3 +149,7 @@ def _scan_fwd_kernel(
     else:
         last_ok = st_ok & (rng == n_ranges - 1)
         tl.store(last_ptr + seq.to(tl.int64) * s_lb + ch64 * s_ld + n, h, mask=last_ok)
+        # The spare checkpoint slot (see checkpoint_slots) gets the state after the last step,
+        # written by the one program whose non-empty range ends there.
+        spare_ok = st_ok & (end == seqlen) & (start < end)
+        tl.store(ckpt_tile + ((seqlen + CKPT - 1) // CKPT) * s_kc, h, mask=spare_ok)
