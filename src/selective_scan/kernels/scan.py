@@ -4,8 +4,8 @@ They only allocate outputs and launch kernels through ``wrap_triton`` (no data-d
 Python), so Inductor can trace them and compile the kernels into its generated code.
 
 Memory: the forward saves nothing beyond its outputs; checkpoints hold the state every CKPT
-steps, batch * dim * ceil(seqlen / CKPT) * dstate float32 (for CKPT = 128, dstate = 16 that is
-0.5 bytes per (batch, dim, step), a quarter of a bf16 input). The backward's scratch adds
+steps, batch * dim * (ceil(seqlen / CKPT) + 1) * dstate float32 (for CKPT = 128, dstate = 16
+that is 0.5 bytes per (batch, dim, step), a quarter of a bf16 input). The backward's scratch adds
 fp32 partial sums of dB/dC per block of channels: batch * ceil(dim / BD) * dstate * seqlen * 4
 bytes each for variable B/C, and the entry states of the tiles of one chunk per program.
 """
@@ -81,9 +81,9 @@ def config(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor) -> dict:
     covers BD = CH * (32 / NS) * num_warps channels. For variable B/C, BD divides the channels of
     a group, so that a program's B/C tiles and dB/dC partial sums belong to one group."""
     n_pad = triton.next_power_of_2(dstate)
-    # Measured on the H200 (bench/NOTES.md): 4 lanes per channel beat 1 and 2 in both
-    # directions; more warps hide the latency of the in-order loop better than fewer
-    # redundant per-step instructions save.
+    # Measured on the H200 (bench/NOTES.md): 4 lanes per channel were the fastest or within 3%
+    # of it in both directions: the extra warps hide the latency of the in-order loop better
+    # than fewer redundant per-step instructions would save.
     NS = min(4, n_pad)
     cfg = dict(T=max(16 // dtype.itemsize, 4), NS=NS,
                NI=n_pad // NS, CH=1, num_warps=1, STAGES=3)  # fmt: skip
@@ -135,15 +135,45 @@ def with_overrides(cfg: dict, overrides: dict, dim, B: Tensor, C: Tensor) -> dic
     return _derive_block(out, dim, B, C)
 
 
-def _flags(B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus, cfg, u, cdt):
-    return dict(
-        NS=cfg["NS"], NI=cfg["NI"], BD=cfg["BD"], T=cfg["T"], CKPT=CKPT,
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-        SOFTPLUS=delta_softplus, HAS_H0=initial_state is not None,
-        VARLEN=cu_seqlens is not None, B_VAR=B.dim() > 2, C_VAR=C.dim() > 2,
-        ACC=_tl_dtype(cdt), FAST=_fast_math(u, cdt), STAGES=cfg["STAGES"],
-        num_warps=cfg["num_warps"],
-    )  # fmt: skip
+class _Plan:
+    """What both launchers derive from the inputs: the compute dtype, sizes, tiles, ranges,
+    pre-blocked B/C, and the leading arguments both kernels' signatures share."""
+
+    def __init__(self, u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens):
+        check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
+        self.cdt = cdt = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+        self.batch, self.dim, self.seqlen = batch, dim, seqlen = u.shape
+        self.dstate = A.shape[1]
+        self.num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        self.cfg = cfg = config(dim, self.dstate, u.dtype, B, C)
+        self.NP = NP = cfg["NS"] * cfg["NI"]
+        self.n_blocks = cdiv(dim, cfg["BD"])
+        Bb, *sB = _bc_args(B, bc_blocks(B, cfg["T"], NP, cdt) if B.dim() > 2 else None, dim)
+        Cb, *sC = _bc_args(C, bc_blocks(C, cfg["T"], NP, cdt) if C.dim() > 2 else None, dim)
+        self.n_ranges, range_len = ranges(cfg, self.num_states, dim, seqlen, cu_seqlens is not None)
+        self.tensors = (u, delta, A, Bb, Cb, D, z, delta_bias, initial_state, cu_seqlens)
+        self.args = (
+            dim, seqlen, range_len, self.n_ranges,
+            *u.stride(), *delta.stride(), *_strides3(z), *A.stride(),
+            cdiv(seqlen, cfg["T"]), *sB, *sC,
+            0 if D is None else D.stride(0), 0 if delta_bias is None else delta_bias.stride(0),
+            *_strides3(initial_state),
+        )  # fmt: skip
+        self.flags = dict(
+            DSTATE=self.dstate, NS=cfg["NS"], NI=cfg["NI"], BD=cfg["BD"], T=cfg["T"], CKPT=CKPT,
+            HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+            HAS_H0=initial_state is not None, VARLEN=cu_seqlens is not None,
+            B_VAR=B.dim() > 2, C_VAR=C.dim() > 2, ACC=_tl_dtype(cdt), FAST=_fast_math(u, cdt),
+            STAGES=cfg["STAGES"], num_warps=cfg["num_warps"],
+        )  # fmt: skip
+
+    def launches(self):
+        """(LOCAL flag, grid) of each launch: the ranges' local pass first when there are
+        several ranges (see scan_fwd.py), then the full pass."""
+        blocks, states, count = self.n_blocks, self.num_states, self.n_ranges
+        if _may_exceed_one(count):
+            yield True, (blocks, states, count - 1)
+        yield False, (blocks, states, count)
 
 
 def scan_fwd(
@@ -160,39 +190,21 @@ def scan_fwd(
     delta_softplus: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Triton forward: (out (batch, dim, seqlen) in u's dtype, last_state (batch or num_seqs,
-    dim, dstate), checkpoints (batch, dim, ceil(seqlen / CKPT), dstate)), float32 states."""
-    check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
-    cdt = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    batch, dim, seqlen = u.shape
-    dstate = A.shape[1]
-    num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    out = u.new_empty(u.shape)
-    last = u.new_empty((num_states, dim, dstate), dtype=cdt)
+    dim, dstate), checkpoints (batch, dim, ceil(seqlen / CKPT) + 1, dstate)), float32 states."""
+    p = _Plan(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
     if cu_seqlens is not None and not is_fake(cu_seqlens):  # eager only: reads it to the host
-        check_cu_seqlens_values(cu_seqlens, seqlen)
-    ckpt = u.new_empty((batch, dim, checkpoint_slots(seqlen, CKPT), dstate), dtype=cdt)
-    cfg = config(dim, dstate, u.dtype, B, C)
-    NP = cfg["NS"] * cfg["NI"]
-    Bb, *sB = _bc_args(B, bc_blocks(B, cfg["T"], NP, cdt) if B.dim() > 2 else None, dim)
-    Cb, *sC = _bc_args(C, bc_blocks(C, cfg["T"], NP, cdt) if C.dim() > 2 else None, dim)
-    n_ranges, range_len = ranges(cfg, num_states, dim, seqlen, cu_seqlens is not None)
-    h_local = u.new_empty((num_states, n_ranges, dim, NP), dtype=cdt)
-    dt_sums = u.new_empty((num_states, n_ranges, dim), dtype=cdt)
-    blocks = cdiv(dim, cfg["BD"])
-    for local in (True, False) if _may_exceed_one(n_ranges) else (False,):
-        grid = (blocks, num_states, n_ranges - 1 if local else n_ranges)
+        check_cu_seqlens_values(cu_seqlens, p.seqlen)
+    out = u.new_empty(u.shape)
+    last = u.new_empty((p.num_states, p.dim, p.dstate), dtype=p.cdt)
+    ckpt = u.new_empty((p.batch, p.dim, checkpoint_slots(p.seqlen, CKPT), p.dstate), dtype=p.cdt)
+    h_local = u.new_empty((p.num_states, p.n_ranges, p.dim, p.NP), dtype=p.cdt)
+    dt_sums = u.new_empty((p.num_states, p.n_ranges, p.dim), dtype=p.cdt)
+    for local, grid in p.launches():
         wrap_triton(_scan_fwd_kernel)[grid](
-            u, delta, A, Bb, Cb, D, z, delta_bias, initial_state, cu_seqlens,
-            out, last, ckpt, h_local, dt_sums,
-            dim, seqlen, range_len, n_ranges,
-            *u.stride(), *delta.stride(), *_strides3(z), *A.stride(),
-            cdiv(seqlen, cfg["T"]), *sB, *sC,
-            0 if D is None else D.stride(0), 0 if delta_bias is None else delta_bias.stride(0),
-            *_strides3(initial_state), out.stride(0), out.stride(1),
-            ckpt.stride(0), ckpt.stride(1), ckpt.stride(2), last.stride(0), last.stride(1),
-            DSTATE=dstate, LOCAL=local,
-            **_flags(B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus, cfg, u,
-                     cdt),
+            *p.tensors, out, last, ckpt, h_local, dt_sums, *p.args,
+            out.stride(0), out.stride(1), ckpt.stride(0), ckpt.stride(1), ckpt.stride(2),
+            last.stride(0), last.stride(1),
+            SOFTPLUS=delta_softplus, LOCAL=local, **p.flags,
         )  # fmt: skip
     return out, last, ckpt
 
@@ -234,19 +246,9 @@ def scan_bwd(
     """Triton backward from the forward's checkpoints: (du, ddelta, dA, dB, dC, dD, dz,
     ddelta_bias, dinitial_state), each in its input's dtype and shape (empty for absent
     optional inputs). Deterministic: partial sums are reduced in a fixed order."""
-    check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
-    cdt = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    batch, dim, seqlen = u.shape
-    dstate = A.shape[1]
-    num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    cfg = config(dim, dstate, u.dtype, B, C)
-    NP, BD, T = cfg["NS"] * cfg["NI"], cfg["BD"], cfg["T"]
-    n_blocks = cdiv(dim, BD)
-    Bb, *sB = _bc_args(B, bc_blocks(B, T, NP, cdt) if B.dim() > 2 else None, dim)
-    Cb, *sC = _bc_args(C, bc_blocks(C, T, NP, cdt) if C.dim() > 2 else None, dim)
-
-    n_ranges, range_len = ranges(cfg, num_states, dim, seqlen, cu_seqlens is not None)
-    programs = num_states * n_ranges  # partial sums are per (sequence, range)
+    p = _Plan(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
+    batch, dim, seqlen, dstate, cdt, NP = p.batch, p.dim, p.seqlen, p.dstate, p.cdt, p.NP
+    programs = p.num_states * p.n_ranges  # partial sums are per (sequence, range)
 
     du = u.new_empty(u.shape)
     ddelta = delta.new_empty(u.shape)
@@ -256,33 +258,25 @@ def scan_bwd(
     def bc_part(t):
         if t.dim() == 2:
             return u.new_empty((programs, dim, NP), dtype=cdt)
-        return u.new_empty((batch, n_blocks, NP, seqlen), dtype=cdt)
+        return u.new_empty((batch, p.n_blocks, NP, seqlen), dtype=cdt)
 
     dB_part, dC_part = bc_part(B), bc_part(C)
     dD_part = u.new_empty((programs, dim), dtype=cdt)
     dbias_part = u.new_empty((programs, dim), dtype=cdt)
-    dh0 = u.new_empty((num_states, dim, dstate), dtype=cdt)
-    dh_local = u.new_empty((num_states, n_ranges, dim, NP), dtype=cdt)
-    dt_sums = u.new_empty((num_states, n_ranges, dim), dtype=cdt)
-    scratch = u.new_empty((programs * n_blocks * (CKPT // T) * BD * NP,), dtype=cdt)
+    dh0 = u.new_empty((p.num_states, dim, dstate), dtype=cdt)
+    dh_local = u.new_empty((p.num_states, p.n_ranges, dim, NP), dtype=cdt)
+    dt_sums = u.new_empty((p.num_states, p.n_ranges, dim), dtype=cdt)
+    tiles_per_chunk = CKPT // p.cfg["T"]
+    scratch = u.new_empty((programs * p.n_blocks * tiles_per_chunk * p.cfg["BD"] * NP,), dtype=cdt)
     last_strides = (0, 0, 0) if dlast_state is None else dlast_state.stride()
-    for local in (True, False) if _may_exceed_one(n_ranges) else (False,):
-        # The local launch covers ranges 1.. (program axis 2 is offset by one there).
-        grid = (n_blocks, num_states, n_ranges - 1 if local else n_ranges)
+    for local, grid in p.launches():
         wrap_triton(_scan_bwd_kernel)[grid](
-            u, delta, A, Bb, Cb, D, z, delta_bias, initial_state, cu_seqlens,
-            dout, dlast_state, checkpoints, scratch,
+            *p.tensors, dout, dlast_state, checkpoints, scratch,
             du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, dbias_part, dh0,
-            dh_local, dt_sums,
-            dim, seqlen, cdiv(seqlen, T), n_blocks, range_len, n_ranges,
-            *u.stride(), *delta.stride(), *_strides3(z), *A.stride(),
-            *sB, *sC,
-            0 if D is None else D.stride(0), 0 if delta_bias is None else delta_bias.stride(0),
-            *_strides3(initial_state), *dout.stride(), *last_strides,
+            dh_local, dt_sums, *p.args,
+            p.n_blocks, *dout.stride(), *last_strides,
             checkpoints.stride(0), checkpoints.stride(1), checkpoints.stride(2),
-            DSTATE=dstate, HAS_DLAST=dlast_state is not None, LOCAL=local,
-            **_flags(B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus, cfg, u,
-                     cdt),
+            SOFTPLUS=delta_softplus, HAS_DLAST=dlast_state is not None, LOCAL=local, **p.flags,
         )  # fmt: skip
 
     def empty():  # one placeholder per absent input: outputs must not alias each other
