@@ -1,0 +1,149 @@
+"""Input validation and shape normalization of the decode step (``selective_state_update``).
+
+Two forms, chosen by the rank of ``state``, as in mamba_ssm:
+
+* plain (Mamba-1): state (batch, dim, dstate); x, dt, z (batch, dim); A (dim, dstate);
+  B, C (batch, dstate); D, dt_bias (dim,);
+* heads (Mamba-2): state (batch, nheads, dim, dstate); x, dt, z (batch, nheads, dim);
+  A (nheads, dim, dstate); B, C (batch, ngroups, dstate) with ngroups dividing nheads, or
+  (batch, dstate) for one group; D, dt_bias (nheads, dim).
+
+Both implementations work on the heads form: a plain argument lacks one axis of it (``_LIFT``),
+which ``as_heads`` inserts as a view and ``heads_strides`` as a zero stride.
+
+The step runs once per token, so the checks have a fast path: real tensors (sizes are ints)
+compare whole shapes at once, and only a mismatch, or symbolic sizes under torch.compile and
+torch.export, takes the per-dimension checks that name the argument and become runtime
+assertions instead of guards.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._checks import _FLOAT_DTYPES, _shape, check_dims, check_size, check_tensor
+
+# Argument order of the step: (state, x, dt, A, B, C, D, z, dt_bias).
+NAMES = ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias")
+# (heads-form rank, axis a plain argument lacks) for each argument, in NAMES order.
+_LIFT = ((4, 1), (3, 1), (3, 1), (3, 0), (3, 1), (3, 1), (2, 0), (3, 1), (2, 0))
+# Shape labels for error messages, by argument and rank.
+_LABELS = {
+    "x": {2: "(batch, dim)", 3: "(batch, nheads, dim)"},
+    "A": {2: "(dim, dstate)", 3: "(nheads, dim, dstate)"},
+    "B": {2: "(batch, dstate)", 3: "(batch, ngroups, dstate)"},
+    "D": {1: "(dim,)", 2: "(nheads, dim)"},
+}
+_SAME_AS = {"dt": "x", "z": "x", "C": "B", "dt_bias": "D"}
+_FLOATS = frozenset(_FLOAT_DTYPES)
+
+
+def _check(name: str, t: object, expected: tuple, heads: bool, device) -> None:
+    """Careful check of one argument: a float Tensor on ``device`` with shape ``expected``."""
+    labels = _LABELS[_SAME_AS.get(name, name)][len(expected)]
+    if isinstance(t, Tensor) and t.dim() != len(expected):
+        raise ValueError(
+            f"selective_state_update: {name} must have shape {labels} for a state of "
+            f"{4 if heads else 3} dimensions, got {_shape(t)}"
+        )
+    check_tensor(name, t, (len(expected),))
+    if t.device != device:
+        raise ValueError(
+            f"selective_state_update: {name} is on {t.device} but state is on {device}; "
+            "all tensors must be on the same device"
+        )
+    check_dims(name, t, expected, labels)
+
+
+def groups(t: Tensor):
+    """Groups of B or C in the heads form: (batch, ngroups, dstate) has ngroups, (batch,
+    dstate) one."""
+    return t.shape[1] if t.dim() == 3 else 1
+
+
+def check_state_update_inputs(
+    state: Tensor,
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+) -> tuple:
+    """Validate the decode step's arguments (either form, see the module docstring); raise a
+    clear error naming the argument and the expected shape.
+
+    Returns (batch, nheads, dim, dstate, ngroups, compute dtype), nheads = ngroups = 1 in the
+    plain form; the compute dtype is float64 when an input is float64, else float32."""
+    check_tensor("state", state, (3, 4))
+    heads = state.dim() == 4
+    batch, nheads, dim, dstate = state.shape if heads else (state.shape[0], 1, *state.shape[1:])
+    for size in (batch, nheads, dim, dstate):
+        check_size(
+            size >= 1,
+            lambda: f"selective_state_update: state must be non-empty, got {_shape(state)}",
+        )
+
+    def bc(t: object) -> tuple:
+        if heads and isinstance(t, Tensor) and t.dim() == 3:
+            return (batch, t.shape[1], dstate)
+        return (batch, dstate)
+
+    rows = (batch, nheads, dim) if heads else (batch, dim)
+    per_head = (nheads, dim) if heads else (dim,)
+    expected = (
+        rows, rows, (nheads, dim, dstate) if heads else (dim, dstate), bc(B), bc(C),
+        per_head, rows, per_head,
+    )  # fmt: skip
+    device = state.device
+    real = type(state) is Tensor  # sizes are ints: whole shapes compare at once
+    float64 = state.dtype == torch.float64
+    for name, t, want in zip(NAMES[1:], (x, dt, A, B, C, D, z, dt_bias), expected, strict=True):
+        if t is None and name in ("D", "z", "dt_bias"):
+            continue
+        fast = real and isinstance(t, Tensor) and t.shape == want
+        if not (fast and t.dtype in _FLOATS and t.device == device):
+            _check(name, t, want, heads, device)
+        float64 = float64 or t.dtype == torch.float64
+    ngroups = groups(B)
+    check_size(
+        nheads % ngroups == 0,
+        lambda: (
+            f"selective_state_update: B has {ngroups} groups, which must divide nheads={nheads}"
+        ),
+    )
+    check_size(
+        groups(C) == ngroups,
+        lambda: (
+            f"selective_state_update: B and C must have the same number of groups, got B of "
+            f"shape {_shape(B)} and C of shape {_shape(C)}"
+        ),
+    )
+    return batch, nheads, dim, dstate, ngroups, torch.float64 if float64 else torch.float32
+
+
+def as_heads(*args: Tensor | None) -> tuple:
+    """The (validated) arguments, in NAMES order, as heads-form views: state (batch, nheads,
+    dim, dstate); x, dt, z (batch, nheads, dim); A (nheads, dim, dstate); B, C (batch, ngroups,
+    dstate); D, dt_bias (nheads, dim). Writing into the returned state writes into the caller's.
+    """
+    return tuple(
+        t if t is None or t.dim() == rank else t.unsqueeze(axis)
+        for t, (rank, axis) in zip(args, _LIFT, strict=True)
+    )
+
+
+def heads_strides(*args: Tensor | None) -> tuple:
+    """The strides of the (validated) arguments, in NAMES order, in their heads form, flattened
+    into one tuple: the axis a plain argument lacks gets stride 0, an absent one all zeros."""
+    strides = ()
+    for t, (rank, axis) in zip(args, _LIFT):  # noqa: B905 (a per-token path: strict costs)
+        if t is None:
+            strides += (0,) * rank
+        else:
+            s = t.stride()
+            strides += s if len(s) == rank else (*s[:axis], 0, *s[axis:])
+    return strides

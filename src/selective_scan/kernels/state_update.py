@@ -1,0 +1,138 @@
+"""Triton decode step (``selective_state_update``): kernel and launcher.
+
+One program = one (batch row, head, block of BD channels). It holds the [BD, NP] tile of the
+state (NP = dstate padded to a power of two) in registers: loads it once, applies
+state * exp2(A log2(e) dt) + B dt x in float32 (float64 for float64 inputs), stores it back in
+state's dtype, and reduces the same registers against C for the output. A memory-bound kernel:
+the state is read and written once; A (dim, dstate) is the same for every batch row, so its
+reads after the first row come from L2.
+
+No autotuning: the kernel overwrites the state, so a tuning run would corrupt it. The block
+sizes are mamba_ssm's hand-tuned ones (a tile of about 512 states per program).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import wrap_triton
+
+from .._state_update_checks import check_state_update_inputs, heads_strides
+from .common import LOG2E, sigmoid, softplus
+from .scan import _fast_math, _tl_dtype, cdiv
+
+
+@triton.jit
+def _state_update_kernel(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, out_ptr,
+    dim, dstate, heads_per_group,
+    # Strides, in the argument order (see heads_strides), then out's.
+    s_sb, s_sh, s_sd, s_sn, s_xb, s_xh, s_xd, s_tb, s_th, s_td, s_Ah, s_Ad, s_An,
+    s_Bb, s_Bg, s_Bn, s_Cb, s_Cg, s_Cn, s_Dh, s_Dd, s_zb, s_zh, s_zd, s_bh, s_bd,
+    s_ob, s_oh, s_od,
+    NP: tl.constexpr, BD: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    ACC: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    # 64-bit row offsets: batch * nheads * dim * dstate may exceed 2^31.
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2).to(tl.int64)
+    g = h // heads_per_group
+    d = tl.program_id(0) * BD + tl.arange(0, BD)
+    d_ok = d < dim
+    d64 = d.to(tl.int64)
+    n = tl.arange(0, NP)
+    n_ok = n < dstate
+    tile_ok = d_ok[:, None] & n_ok[None, :]
+
+    # The state tile first: its load is the one whose latency the others should hide behind.
+    # Padded states load 0 with A = B = C = 0: they stay 0 and add nothing to the output.
+    state_ptrs = state_ptr + b * s_sb + h * s_sh + d64[:, None] * s_sd + n[None, :] * s_sn
+    state = tl.load(state_ptrs, mask=tile_ok, other=0.0).to(ACC)
+    x = tl.load(x_ptr + b * s_xb + h * s_xh + d64 * s_xd, mask=d_ok, other=0.0).to(ACC)
+    dt = tl.load(dt_ptr + b * s_tb + h * s_th + d64 * s_td, mask=d_ok, other=0.0).to(ACC)
+    if HAS_BIAS:
+        dt += tl.load(bias_ptr + h * s_bh + d64 * s_bd, mask=d_ok, other=0.0).to(ACC)
+    if SOFTPLUS:
+        dt = softplus(dt, FAST)
+    A2 = tl.load(
+        A_ptr + h * s_Ah + d64[:, None] * s_Ad + n[None, :] * s_An, mask=tile_ok, other=0.0
+    ).to(ACC)
+    A2 *= tl.full([1, 1], LOG2E, ACC)  # exact in float64 too (a bare literal is float32)
+    B = tl.load(B_ptr + b * s_Bb + g * s_Bg + n * s_Bn, mask=n_ok, other=0.0).to(ACC)
+    C = tl.load(C_ptr + b * s_Cb + g * s_Cg + n * s_Cn, mask=n_ok, other=0.0).to(ACC)
+    if HAS_D:
+        D = tl.load(D_ptr + h * s_Dh + d64 * s_Dd, mask=d_ok, other=0.0).to(ACC)
+    if HAS_Z:
+        z = tl.load(z_ptr + b * s_zb + h * s_zh + d64 * s_zd, mask=d_ok, other=0.0).to(ACC)
+
+    state = state * tl.math.exp2(A2 * dt[:, None]) + B[None, :] * (dt * x)[:, None]
+    tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
+
+    y = tl.sum(state * C[None, :], axis=1)
+    if HAS_D:
+        y += x * D
+    if HAS_Z:
+        y *= z * sigmoid(z, FAST)
+    tl.store(out_ptr + b * s_ob + h * s_oh + d64 * s_od, y.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def block(dstate) -> tuple[int, int, int]:
+    """(NP = dstate padded to a power of two, BD channels per program, num_warps): mamba_ssm's
+    table. Plain comparisons: for a symbolic dstate they become guards, so the tile sizes are
+    always Python ints."""
+    NP = 1
+    while dstate > NP:
+        NP *= 2
+    if NP <= 16:
+        return NP, 32, 4
+    if NP <= 32:
+        return NP, 16, 4
+    if NP <= 64:
+        return NP, 8, 4
+    return NP, 4, 8
+
+
+def _launch(kernel, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) -> Tensor:
+    """Check, allocate out and launch ``kernel`` (the jitted kernel, or it wrapped for tracing)."""
+    batch, nheads, dim, dstate, ngroups, cdt = check_state_update_inputs(
+        state, x, dt, A, B, C, D, z, dt_bias
+    )
+    out = x.new_empty(x.shape)
+    NP, BD, num_warps = block(dstate)
+    kernel[(cdiv(dim, BD), batch, nheads)](
+        state, x, dt, A, B, C, D, z, dt_bias, out, dim, dstate, nheads // ngroups,
+        *heads_strides(state, x, dt, A, B, C, D, z, dt_bias),
+        nheads * dim, dim, 1,  # out: fresh and contiguous, in either form
+        NP=NP, BD=BD,
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None,
+        SOFTPLUS=dt_softplus, ACC=_tl_dtype(cdt), FAST=_fast_math(x, cdt), num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+def state_update(
+    state: Tensor,
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    dt_bias: Tensor | None,
+    dt_softplus: bool,
+) -> Tensor:
+    """Triton decode step, the body of ``selective_scan::state_update_triton``: updates state in
+    place and returns out (x's shape and dtype); see ``selective_state_update``. Traceable: the
+    kernel goes through ``wrap_triton``."""
+    return _launch(
+        wrap_triton(_state_update_kernel), state, x, dt, A, B, C, D, z, dt_bias, dt_softplus
+    )
+
+
+def state_update_eager(*args) -> Tensor:
+    """``state_update`` for plain eager calls: launches the kernel directly, without the
+    dispatcher and the tracing wrapper (see ``selective_state_update``)."""
+    return _launch(_state_update_kernel, *args)

@@ -1,0 +1,163 @@
+"""One decode step of the selective scan, ``selective_state_update``, updating the state in place.
+
+Drop-in for mamba_ssm's ``selective_state_update`` (mamba_ssm/ops/triton/selective_state_update.py),
+in both of its forms (plain Mamba-1 and multi-head Mamba-2 shapes, see _state_update_checks.py).
+
+Two operators with one schema, each declaring that it writes into ``state``:
+
+* ``selective_scan::state_update``: plain PyTorch (this file), a ``custom_op``; the CPU path and
+  a fallback on any device.
+* ``selective_scan::state_update_triton``: the Triton kernel (kernels/state_update.py), a
+  ``triton_op``, so Inductor and AOTInductor compile the kernel into their generated code.
+
+The public function picks one as ``selective_scan_fn`` does (``interface.use_triton``,
+SELECTIVE_SCAN_BACKEND). The step has no autograd formula: it is an inference step (PyTorch
+allows none on an operator that mutates its inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+from ._state_update_checks import as_heads, check_state_update_inputs
+from .interface import use_triton
+
+
+def _state_update_torch(
+    state: Tensor,
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    dt_bias: Tensor | None,
+    dt_softplus: bool,
+) -> Tensor:
+    """The step in PyTorch, in float32 (float64 when an input is float64); see
+    :func:`selective_state_update`."""
+    *_, cdt = check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
+    out = x.new_empty(x.shape)
+    h, x, dt, A, B, C, D, z, dt_bias = as_heads(state, x, dt, A, B, C, D, z, dt_bias)
+    xc, dt = x.to(cdt), dt.to(cdt)
+    if dt_bias is not None:
+        dt = dt + dt_bias
+    if dt_softplus:
+        dt = F.softplus(dt)  # threshold 20, as in mamba_ssm
+
+    def per_head(t: Tensor) -> Tensor:  # (batch, ngroups, dstate) -> (batch, nheads, 1, dstate)
+        return t.to(cdt).repeat_interleave(h.shape[1] // t.shape[1], dim=1).unsqueeze(2)
+
+    new = h.to(cdt) * torch.exp(dt.unsqueeze(-1) * A) + (dt * xc).unsqueeze(-1) * per_head(B)
+    h.copy_(new)
+    # The output reads the float32 state before it is rounded to state's dtype, as the kernels do.
+    y = (new * per_head(C)).sum(-1)
+    if D is not None:
+        y = y + xc * D
+    if z is not None:
+        y = y * F.silu(z.to(cdt))
+    out.copy_(y.reshape(out.shape))
+    return out
+
+
+def _fake(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
+    check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
+    return x.new_empty(x.shape)
+
+
+state_update = torch.library.custom_op(
+    "selective_scan::state_update", _state_update_torch, mutates_args=("state",)
+)
+state_update.register_fake(_fake)
+
+
+def _register_triton():
+    """(the Triton operator, its eager launcher), or (None, None) where triton is missing."""
+    try:
+        from .kernels import state_update as kernel
+    except ImportError:
+        return None, None
+    op = torch.library.triton_op(
+        "selective_scan::state_update_triton", kernel.state_update, mutates_args=("state",)
+    )
+    return op, kernel.state_update_eager
+
+
+state_update_triton, _triton_eager = _register_triton()
+
+
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def _plain_eager(tensors: tuple) -> bool:
+    """Whether calling the implementation directly is indistinguishable from calling the op:
+    nothing traces or intercepts the call (torch.compile, torch.export, dispatch or function
+    modes such as FakeTensorMode, functorch transforms), every tensor is a plain one, and
+    autograd would record nothing (the op's autograd node only raises in backward)."""
+    if (
+        torch.compiler.is_compiling()
+        or is_in_torch_dispatch_mode()
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._functorch.peek_interpreter_stack() is not None
+    ):
+        return False
+    grad = torch.is_grad_enabled()
+    return all(
+        t is None or (type(t) in _PLAIN_TYPES and not (grad and t.requires_grad)) for t in tensors
+    )
+
+
+def selective_state_update(
+    state: Tensor,
+    x: Tensor,
+    dt: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None = None,
+    z: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    dt_softplus: bool = False,
+) -> Tensor:
+    """One step of the selective scan from ``state``, which is updated in place.
+
+    Plain form: state (batch, dim, dstate); x, dt, z (batch, dim); A (dim, dstate); B, C
+    (batch, dstate); D, dt_bias (dim,). Multi-head form (as mamba_ssm): state (batch, nheads,
+    dim, dstate); x, dt, z (batch, nheads, dim); A (nheads, dim, dstate); B, C (batch, ngroups,
+    dstate) with ngroups dividing nheads; D, dt_bias (nheads, dim). Any float dtypes and strides.
+
+    dt <- softplus(dt + dt_bias) if dt_softplus; state <- exp(A dt) * state + B dt x;
+    out = sum_n(state * C) + D x, times silu(z). Arithmetic in float32 (float64 when an input is
+    float64); the new state is stored in state's dtype and out is computed before that rounding.
+
+    Returns out, shaped like x, in x's dtype.
+
+    A decode step is short, so the dispatcher's cost matters (about 100 us per call of an
+    operator that mutates an input, measured on the 2-core development CPU): in plain eager
+    mode the implementation is called directly, with the op's effect on state's version
+    counter; under torch.compile, torch.export and any mode or transform, the op is called.
+    """
+    args = (state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+    op, implementation = _backend(state)
+    if _plain_eager(args[:-1]):
+        out = implementation(*args)
+        torch.autograd.graph.increment_version(state)
+        return out
+    return op(*args)
+
+
+def _backend(state: Tensor) -> tuple:
+    """(operator, its direct implementation) of the backend chosen for state (see
+    ``interface.use_triton``)."""
+    if not use_triton(state):
+        return state_update, _state_update_torch
+    if state_update_triton is None:
+        raise RuntimeError(
+            "selective_state_update: the triton backend needs the 'triton' package (it ships "
+            "with CUDA builds of torch); install it or set SELECTIVE_SCAN_BACKEND=torch"
+        )
+    return state_update_triton, _triton_eager
