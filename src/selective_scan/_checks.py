@@ -193,3 +193,16 @@ def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     if any(t is not None and t.dtype == torch.float64 for t in tensors):
         return torch.float64
     return torch.float32
+
+
+def check_shape(fn: str, name: str, t: Tensor, expected: tuple, labels: str) -> None:
+    """Check t.shape == expected (None matches any size) with plain comparisons, for code that
+    torch.compile traces (the model-level functions): there a symbolic comparison becomes a
+    guard that the sizes are equal, whereas torch._check's message closure, which refers to
+    t, cannot be traced. ``fn`` names the public function in the message."""
+    for actual, want in zip(t.shape, expected, strict=True):
+        if want is not None and actual != want:
+            raise ValueError(
+                f"{fn}: {name} must have shape {labels} = {_format_shape(expected)}, "
+                f"got {_shape(t)}"
+            )

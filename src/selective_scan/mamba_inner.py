@@ -1,0 +1,163 @@
+"""mamba_inner_fn: the whole inner path of a Mamba layer from xz to the output projection.
+
+Built from differentiable PyTorch ops and ``selective_scan_fn``, so autograd, ``torch.compile``
+and ``torch.export`` see ordinary nodes and the scan's own custom op, and no graph break.
+
+Memory-saving backward (checkpoint_lvl=1), as in mamba_ssm: the conv output and delta are not
+kept for the backward but recomputed there. This is selective activation checkpointing
+(``torch.utils.checkpoint`` with a policy) around conv -> x_proj -> delta_proj -> scan: every op
+of that region is recomputed in the backward except the scan's forward op, whose outputs (out,
+last_state and the per-chunk state checkpoints) are kept, so the scan itself never runs twice.
+Eager autograd, torch.compile (the partitioner honours the policy) and torch.export (which
+traces the region's ops) all handle it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from ._checks import check_shape, check_tensor
+from .conv import causal_conv1d_fn
+from .interface import selective_scan_fn
+
+
+def _keep_scan_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Keep what the scan's forward op returns (either backend's op lives in the selective_scan
+    namespace); recompute everything else of the region in the backward."""
+    if getattr(op, "namespace", None) == "selective_scan":
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_RECOMPUTE_ALL_BUT_SCAN = functools.partial(
+    create_selective_checkpoint_contexts, _keep_scan_outputs
+)
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dimension in float32, returned in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def _conv_and_scan(
+    x, z, conv_weight, conv_bias, x_proj_weight, delta_proj_weight, A, B, C, D, delta_bias,
+    B_proj_bias, C_proj_bias, b_rms_weight, c_rms_weight, dt_rms_weight, eps, delta_softplus,
+):  # fmt: skip
+    """The checkpointed region: conv, projections and the scan; returns y (batch, dim, seqlen)."""
+    dstate = A.shape[-1]
+    delta_rank = delta_proj_weight.shape[1]
+    x = causal_conv1d_fn(x, conv_weight, conv_bias, activation="silu")
+    # Per-token projections in (batch, seqlen, features) layout; the transposes back to
+    # (batch, features, seqlen) are views, and the scan accepts any strides.
+    x_dbl = F.linear(x.transpose(1, 2), x_proj_weight)  # (batch, seqlen, rank + 2 * dstate)
+    delta = F.linear(x_dbl[..., :delta_rank], delta_proj_weight)  # (batch, seqlen, dim)
+    if dt_rms_weight is not None:
+        delta = _rms_norm(delta, dt_rms_weight, eps)
+    if B is None:  # variable B from x_proj, as mamba_ssm lays it out: after the rank columns
+        B = x_dbl[..., delta_rank : delta_rank + dstate]
+        if B_proj_bias is not None:
+            B = B + B_proj_bias.to(B.dtype)
+        if b_rms_weight is not None:
+            B = _rms_norm(B, b_rms_weight, eps)
+        B = B.transpose(1, 2)
+    if C is None:  # variable C: the last dstate columns
+        C = x_dbl[..., x_dbl.shape[-1] - dstate :]
+        if C_proj_bias is not None:
+            C = C + C_proj_bias.to(C.dtype)
+        if c_rms_weight is not None:
+            C = _rms_norm(C, c_rms_weight, eps)
+        C = C.transpose(1, 2)
+    return selective_scan_fn(
+        x, delta.transpose(1, 2), A, B, C, D, z, delta_bias, delta_softplus=delta_softplus
+    )
+
+
+def _check_inner_inputs(xz, conv1d_weight, conv1d_bias, A, B, C, rms_weights, checkpoint_lvl):
+    """What the later ops would reject with less clear messages; the scan checks the rest."""
+    fn = "mamba_inner_fn"
+    check_tensor("xz", xz, (3,))
+    d_inner = xz.shape[1] // 2
+    check_shape(fn, "xz", xz, (None, 2 * d_inner, None), "(batch, 2 * d_inner, seqlen)")
+    check_tensor("conv1d_weight", conv1d_weight, (3,))
+    check_shape(fn, "conv1d_weight", conv1d_weight, (d_inner, 1, None), "(d_inner, 1, width)")
+    if conv1d_bias is not None:
+        check_tensor("conv1d_bias", conv1d_bias, (1,))
+        check_shape(fn, "conv1d_bias", conv1d_bias, (d_inner,), "(d_inner,)")
+    if A.is_complex():
+        raise ValueError("mamba_inner_fn: complex A is not supported (A must be real)")
+    if checkpoint_lvl not in (0, 1):
+        raise ValueError(f"mamba_inner_fn: checkpoint_lvl must be 0 or 1, got {checkpoint_lvl!r}")
+    for name, given, weight in (("B", B, rms_weights[0]), ("C", C, rms_weights[1])):
+        if given is not None and weight is not None:
+            raise ValueError(
+                f"mamba_inner_fn: {name.lower()}_rms_weight normalizes the {name} computed from "
+                f"x_proj; it needs {name}=None"
+            )
+
+
+def mamba_inner_fn(
+    xz: Tensor,
+    conv1d_weight: Tensor,
+    conv1d_bias: Tensor | None,
+    x_proj_weight: Tensor,
+    delta_proj_weight: Tensor,
+    out_proj_weight: Tensor,
+    out_proj_bias: Tensor | None,
+    A: Tensor,
+    B: Tensor | None = None,
+    C: Tensor | None = None,
+    D: Tensor | None = None,
+    delta_bias: Tensor | None = None,
+    B_proj_bias: Tensor | None = None,
+    C_proj_bias: Tensor | None = None,
+    delta_softplus: bool = True,
+    checkpoint_lvl: int = 1,
+    b_rms_weight: Tensor | None = None,
+    c_rms_weight: Tensor | None = None,
+    dt_rms_weight: Tensor | None = None,
+    b_c_dt_rms_eps: float = 1e-6,
+) -> Tensor:
+    """Mamba's inner path; drop-in for mamba_ssm's ``mamba_inner_fn``.
+
+    xz: (batch, 2 * d_inner, seqlen), the input projection (x, then the gate z);
+    conv1d_weight: (d_inner, 1, width), conv1d_bias: (d_inner,); x_proj_weight:
+    (rank + dstate [if B is None] + dstate [if C is None], d_inner); delta_proj_weight:
+    (d_inner, rank); out_proj_weight: (d_model, d_inner), out_proj_bias: (d_model,);
+    A: (d_inner, dstate); B, C: None for input-dependent B/C taken from the x_proj output
+    (plus B_proj_bias / C_proj_bias (dstate,)), or any form ``selective_scan_fn`` accepts;
+    D, delta_bias: (d_inner,); b_rms_weight, c_rms_weight: (dstate,), dt_rms_weight:
+    (d_inner,): RMSNorm of B, C and delta (before delta_bias) with eps b_c_dt_rms_eps.
+
+    x <- silu(causal_conv1d(x)); (dt, B, C) <- x_proj(x); delta <- delta_proj(dt);
+    y <- selective_scan(x, delta, A, B, C, D, z, delta_bias, delta_softplus);
+    returns out_proj(y): (batch, seqlen, d_model).
+
+    checkpoint_lvl=1 recomputes the conv output and delta in the backward instead of keeping
+    them (the scan is not rerun); 0 keeps them. Gradients are the same either way.
+    """
+    rms_weights = (b_rms_weight, c_rms_weight, dt_rms_weight)
+    _check_inner_inputs(xz, conv1d_weight, conv1d_bias, A, B, C, rms_weights, checkpoint_lvl)
+    x, z = xz.chunk(2, dim=1)
+    args = (
+        x, z, conv1d_weight[:, 0], conv1d_bias, x_proj_weight, delta_proj_weight, A, B, C, D,
+        delta_bias, B_proj_bias, C_proj_bias, *rms_weights, b_c_dt_rms_eps, delta_softplus,
+    )  # fmt: skip
+    # Without grad mode nothing is saved, so there is nothing to recompute.
+    if checkpoint_lvl == 1 and torch.is_grad_enabled():
+        y = checkpoint(
+            _conv_and_scan, *args, use_reentrant=False, context_fn=_RECOMPUTE_ALL_BUT_SCAN
+        )
+    else:
+        y = _conv_and_scan(*args)
+    return F.linear(y.transpose(1, 2), out_proj_weight, out_proj_bias)

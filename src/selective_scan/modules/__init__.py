@@ -1,0 +1,5 @@
+"""Model layers built on the selective-scan operators."""
+
+from .mamba_simple import Mamba
+
+__all__ = ["Mamba"]

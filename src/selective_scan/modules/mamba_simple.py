@@ -1,0 +1,222 @@
+"""The Mamba layer: mamba_ssm's ``Mamba`` (mamba_simple) on this package's operators.
+
+Same constructor, parameter names and shapes (state_dict keys: in_proj, conv1d, x_proj,
+dt_proj, A_log, D, out_proj), initialization, forward and decoding API, so Mamba-1 checkpoints
+load unchanged with ``strict=True``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..conv import causal_conv1d_fn, causal_conv1d_update
+from ..interface import selective_scan_fn
+from ..mamba_inner import mamba_inner_fn
+from ..state_update import selective_state_update
+
+
+class Mamba(nn.Module):
+    """Mamba (S6) mixer layer: (batch, seqlen, d_model) -> (batch, seqlen, d_model).
+
+    in_proj -> (x, z); x <- silu(causal depthwise conv1d(x)); (dt, B, C) <- x_proj(x);
+    delta <- dt_proj(dt); y <- selective_scan(x, delta, A = -exp(A_log), B, C, D, z);
+    out_proj(y). d_inner = expand * d_model, dt_rank = ceil(d_model / 16) when "auto".
+
+    Decoding: ``allocate_inference_cache`` gives (conv_state (batch, d_inner, d_conv),
+    ssm_state (batch, d_inner, d_state)); ``prefill`` runs a prompt and returns the states it
+    ends in; ``step`` advances one token, updating the states in place. ``forward`` also takes
+    mamba_ssm's ``inference_params`` (an object with ``key_value_memory_dict`` and
+    ``seqlen_offset``; the layer needs a ``layer_idx``).
+
+    Not supported in forward: packed sequences (cu_seqlens) and starting from given states
+    (initial_state); selective_scan_fn takes both, for layers that need them.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_state: int = 16,
+        d_conv: int = 4,
+        expand: int = 2,
+        dt_rank: int | str = "auto",
+        dt_min: float = 0.001,
+        dt_max: float = 0.1,
+        dt_init: str = "random",
+        dt_scale: float = 1.0,
+        dt_init_floor: float = 1e-4,
+        conv_bias: bool = True,
+        bias: bool = False,
+        use_fast_path: bool = True,
+        layer_idx: int | None = None,
+        device=None,
+        dtype=None,
+    ):
+        factory_kwargs = {"device": device, "dtype": dtype}
+        super().__init__()
+        self.d_model = d_model
+        self.d_state = d_state
+        self.d_conv = d_conv
+        self.expand = expand
+        self.d_inner = int(expand * d_model)
+        self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else dt_rank
+        self.use_fast_path = use_fast_path
+        self.layer_idx = layer_idx
+        self.activation = "silu"
+
+        self.in_proj = nn.Linear(d_model, self.d_inner * 2, bias=bias, **factory_kwargs)
+        self.conv1d = nn.Conv1d(
+            self.d_inner, self.d_inner, kernel_size=d_conv, groups=self.d_inner,
+            padding=d_conv - 1, bias=conv_bias, **factory_kwargs,
+        )  # fmt: skip
+        self.x_proj = nn.Linear(
+            self.d_inner, self.dt_rank + 2 * d_state, bias=False, **factory_kwargs
+        )
+        self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True, **factory_kwargs)
+        self._init_dt_proj(dt_init, dt_scale, dt_min, dt_max, dt_init_floor)
+
+        # S4D-real initialization: A = -(1, 2, ..., d_state) for every channel; A_log and D
+        # stay float32 whatever the layer's dtype.
+        A = torch.arange(1, d_state + 1, dtype=torch.float32, device=device)
+        self.A_log = nn.Parameter(torch.log(A).repeat(self.d_inner, 1))
+        self.A_log._no_weight_decay = True
+        self.D = nn.Parameter(torch.ones(self.d_inner, device=device))
+        self.D._no_weight_decay = True
+
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **factory_kwargs)
+
+    @torch.no_grad()
+    def _init_dt_proj(self, dt_init, dt_scale, dt_min, dt_max, dt_init_floor) -> None:
+        """dt_proj.weight keeps the variance of dt_rank inputs; dt_proj.bias is set so that
+        softplus(bias) is log-uniform in [dt_min, dt_max] (floored at dt_init_floor)."""
+        std = self.dt_rank**-0.5 * dt_scale
+        if dt_init == "constant":
+            nn.init.constant_(self.dt_proj.weight, std)
+        elif dt_init == "random":
+            nn.init.uniform_(self.dt_proj.weight, -std, std)
+        else:
+            raise ValueError(f"Mamba: dt_init must be 'random' or 'constant', got {dt_init!r}")
+        bias = self.dt_proj.bias
+        log_min, log_max = math.log(dt_min), math.log(dt_max)
+        log_dt = log_min + torch.rand(self.d_inner, device=bias.device) * (log_max - log_min)
+        dt = torch.exp(log_dt).clamp(min=dt_init_floor)
+        bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        bias._no_reinit = True  # model-level init must not zero this bias
+
+    def _conv_weight(self) -> Tensor:
+        return self.conv1d.weight[:, 0]  # (d_inner, d_conv)
+
+    def _A(self) -> Tensor:
+        return -torch.exp(self.A_log.float())
+
+    def forward(self, hidden_states: Tensor, inference_params=None) -> Tensor:
+        """hidden_states: (batch, seqlen, d_model) -> (batch, seqlen, d_model)."""
+        if inference_params is not None:
+            conv_state, ssm_state = self._states_from_cache(inference_params, hidden_states)
+            if inference_params.seqlen_offset > 0:
+                return self.step(hidden_states, conv_state, ssm_state)[0]
+            out, new_conv_state, new_ssm_state = self.prefill(hidden_states)
+            conv_state.copy_(new_conv_state)
+            ssm_state.copy_(new_ssm_state)
+            return out
+        if not self.use_fast_path:
+            return self.prefill(hidden_states)[0]
+        return mamba_inner_fn(
+            self.in_proj(hidden_states).transpose(1, 2),
+            self.conv1d.weight,
+            self.conv1d.bias,
+            self.x_proj.weight,
+            self.dt_proj.weight,
+            self.out_proj.weight,
+            self.out_proj.bias,
+            self._A(),
+            None,  # input-dependent B
+            None,  # input-dependent C
+            self.D.float(),
+            delta_bias=self.dt_proj.bias.float(),
+            delta_softplus=True,
+        )
+
+    def prefill(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Run a sequence with separate conv and scan ops and return the states it ends in.
+
+        hidden_states: (batch, seqlen, d_model) -> (out (batch, seqlen, d_model),
+        conv_state (batch, d_inner, d_conv), ssm_state (batch, d_inner, d_state)), the states
+        in allocate_inference_cache's dtypes.
+        """
+        x, z = self.in_proj(hidden_states).transpose(1, 2).chunk(2, dim=1)
+        # The last d_conv inputs of the conv, zeros before the sequence start.
+        conv_state = F.pad(x, (self.d_conv, 0))[..., -self.d_conv :]
+        x = causal_conv1d_fn(x, self._conv_weight(), self.conv1d.bias, activation=self.activation)
+        dt, B, C = self.x_proj(x.transpose(1, 2)).split(
+            [self.dt_rank, self.d_state, self.d_state], dim=-1
+        )
+        y, last_state = selective_scan_fn(
+            x,
+            F.linear(dt, self.dt_proj.weight).transpose(1, 2),
+            self._A(),
+            B.transpose(1, 2),
+            C.transpose(1, 2),
+            self.D.float(),
+            z,
+            self.dt_proj.bias.float(),
+            delta_softplus=True,
+            return_last_state=True,
+        )
+        out = self.out_proj(y.transpose(1, 2))
+        return (
+            out,
+            conv_state.to(self.conv1d.weight.dtype),
+            last_state.to(self.dt_proj.weight.dtype),
+        )
+
+    def step(
+        self, hidden_states: Tensor, conv_state: Tensor, ssm_state: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Advance one token: hidden_states (batch, 1, d_model) -> (out (batch, 1, d_model),
+        conv_state, ssm_state), the states updated in place."""
+        if hidden_states.shape[1] != 1:
+            raise ValueError(
+                "Mamba.step: hidden_states must be one token, (batch, 1, d_model); got "
+                f"{tuple(hidden_states.shape)}"
+            )
+        x, z = self.in_proj(hidden_states[:, 0]).chunk(2, dim=-1)  # (batch, d_inner) each
+        x = causal_conv1d_update(
+            x, conv_state, self._conv_weight(), self.conv1d.bias, self.activation
+        )
+        dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        y = selective_state_update(
+            ssm_state, x, F.linear(dt, self.dt_proj.weight), self._A(), B, C, self.D, z,
+            dt_bias=self.dt_proj.bias, dt_softplus=True,
+        )  # fmt: skip
+        return self.out_proj(y).unsqueeze(1), conv_state, ssm_state
+
+    def allocate_inference_cache(
+        self, batch_size: int, max_seqlen: int, dtype: torch.dtype | None = None, **kwargs
+    ) -> tuple[Tensor, Tensor]:
+        """Zero states (conv_state (batch_size, d_inner, d_conv), ssm_state (batch_size,
+        d_inner, d_state)), in the conv1d and dt_proj weights' dtypes unless dtype is given.
+        max_seqlen is unused (the states do not grow), kept for mamba_ssm's signature."""
+        device = self.out_proj.weight.device
+        conv_state = torch.zeros(
+            batch_size, self.d_inner, self.d_conv, device=device,
+            dtype=dtype or self.conv1d.weight.dtype,
+        )  # fmt: skip
+        ssm_state = torch.zeros(
+            batch_size, self.d_inner, self.d_state, device=device,
+            dtype=dtype or self.dt_proj.weight.dtype,
+        )  # fmt: skip
+        return conv_state, ssm_state
+
+    def _states_from_cache(self, inference_params, hidden_states: Tensor):
+        """This layer's (conv_state, ssm_state) in inference_params.key_value_memory_dict,
+        allocated on first use."""
+        if self.layer_idx is None:
+            raise ValueError("Mamba: forward with inference_params needs the layer's layer_idx")
+        cache = inference_params.key_value_memory_dict
+        if self.layer_idx not in cache:
+            cache[self.layer_idx] = self.allocate_inference_cache(hidden_states.shape[0], 0)
+        return cache[self.layer_idx]

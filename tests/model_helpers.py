@@ -1,0 +1,115 @@
+"""Shared by the model-level tests: readable oracles for the conv and the Mamba inner path (a
+loop over the conv taps, and plain PyTorch ops around selective_scan_ref, meant to run in
+float64), compile checks and a training loop."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch._dynamo.testing
+from torch._dynamo.utils import counters
+
+from selective_scan import selective_scan_ref
+
+
+def causal_conv1d_naive(x, weight, bias=None, initial_states=None, activation=None):
+    """out[:, :, t] = act(bias + sum_k weight[:, k] * x[:, :, t - width + 1 + k]), inputs
+    before the sequence taken from initial_states (zeros when None). Returns (out, the last
+    width - 1 inputs), in x's dtype."""
+    batch, dim, seqlen = x.shape
+    width = weight.shape[1]
+    history = x.new_zeros(batch, dim, width - 1) if initial_states is None else initial_states
+    x_hist = torch.cat([history, x], dim=-1)
+    out = x.new_zeros(batch, dim, seqlen) if bias is None else bias[:, None].expand(-1, seqlen)
+    for k in range(width):
+        out = out + weight[:, k, None] * x_hist[:, :, k : k + seqlen]
+    if activation is not None:
+        out = out * torch.sigmoid(out)
+    return out, x_hist[:, :, x_hist.shape[-1] - (width - 1) :]
+
+
+def rms_norm_naive(x, weight, eps):
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def mamba_inner_naive(
+    xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
+    out_proj_bias, A, B=None, C=None, D=None, delta_bias=None, B_proj_bias=None,
+    C_proj_bias=None, delta_softplus=True, b_rms_weight=None, c_rms_weight=None,
+    dt_rms_weight=None, b_c_dt_rms_eps=1e-6,
+):  # fmt: skip
+    """mamba_ssm's mamba_inner_fn written out step by step in mamba_ssm's own layouts: tokens
+    flattened to (batch * seqlen, features) rows for the projections."""
+    batch, _, seqlen = xz.shape
+    dstate, rank = A.shape[1], delta_proj_weight.shape[1]
+    x, z = xz.chunk(2, dim=1)
+    x = causal_conv1d_naive(x, conv1d_weight[:, 0], conv1d_bias, activation="silu")[0]
+    rows = x.permute(0, 2, 1).reshape(batch * seqlen, -1)  # (batch * seqlen, d_inner)
+    x_dbl = rows @ x_proj_weight.t()
+    delta = x_dbl[:, :rank] @ delta_proj_weight.t()  # (batch * seqlen, d_inner)
+    if dt_rms_weight is not None:
+        delta = rms_norm_naive(delta, dt_rms_weight, b_c_dt_rms_eps)
+
+    def to_scan_layout(t):  # (batch * seqlen, n) -> (batch, n, seqlen)
+        return t.reshape(batch, seqlen, -1).permute(0, 2, 1)
+
+    columns = {"B": slice(rank, rank + dstate), "C": slice(x_dbl.shape[1] - dstate, None)}
+    given = {"B": B, "C": C}
+    biases = {"B": B_proj_bias, "C": C_proj_bias}
+    norms = {"B": b_rms_weight, "C": c_rms_weight}
+    for name in ("B", "C"):
+        if given[name] is None:
+            t = x_dbl[:, columns[name]]
+            if biases[name] is not None:
+                t = t + biases[name]
+            if norms[name] is not None:
+                t = rms_norm_naive(t, norms[name], b_c_dt_rms_eps)
+            given[name] = to_scan_layout(t)
+    y = selective_scan_ref(
+        x, to_scan_layout(delta), A, given["B"], given["C"], D, z, delta_bias,
+        delta_softplus=delta_softplus,
+    )  # fmt: skip
+    out = y.permute(0, 2, 1) @ out_proj_weight.t()
+    return out if out_proj_bias is None else out + out_proj_bias
+
+
+@contextlib.contextmanager
+def hermetic_compile():
+    """The PyTorch scan ops (compiled and exported graphs run on the CPU), and no on-disk compile
+    caches: after a change to an op's fake they were seen to serve code with stale sizes."""
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        torch._inductor.config.patch(force_disable_caches=True),
+    ):
+        mp.setenv("SELECTIVE_SCAN_BACKEND", "torch")
+        yield
+
+
+def compile_fullgraph(fn, **kwargs):
+    """torch.compile(fn, fullgraph=True) with Inductor, from a fresh Dynamo; returns the compiled
+    function and a check that, so far, it compiled one graph and no graph break was counted."""
+    torch._dynamo.reset()
+    counters.clear()
+    backend = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, **kwargs)
+
+    def check_one_graph():
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert backend.frame_count == 1, f"compiled {backend.frame_count} times"
+
+    return compiled, check_one_graph
+
+
+def train(model, loss_fn, inputs, steps: int = 2) -> list[torch.Tensor]:
+    """A few SGD-with-momentum steps on loss_fn(model(inputs)); returns the losses."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        loss = loss_fn(model(inputs))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
