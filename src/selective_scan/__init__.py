@@ -1,7 +1,27 @@
-"""selective-scan: Mamba's selective scan as a first-class PyTorch operator."""
+"""selective-scan: Mamba's selective scan as a first-class PyTorch operator.
 
+mamba_ssm-compatible entry points: selective_scan_fn, selective_scan_ref, mamba_inner_fn,
+selective_state_update, the Mamba layer and a small LM; causal_conv1d_fn/update with the
+causal-conv1d package's signatures. ``selective_scan.hf.patch_transformers()`` routes Hugging
+Face transformers' Mamba fast path to these functions.
+"""
+
+from .conv import causal_conv1d_fn, causal_conv1d_update
 from .interface import selective_scan_fn
+from .mamba_inner import mamba_inner_fn
+from .models import MambaLMHeadModel
+from .modules import Mamba
 from .reference import selective_scan_ref
+from .state_update import selective_state_update
 
-__all__ = ["selective_scan_fn", "selective_scan_ref"]
+__all__ = [
+    "Mamba",
+    "MambaLMHeadModel",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+    "mamba_inner_fn",
+    "selective_scan_fn",
+    "selective_scan_ref",
+    "selective_state_update",
+]
 __version__ = "0.1.0"
