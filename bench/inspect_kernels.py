@@ -100,7 +100,8 @@ def main() -> None:
     if overrides:
         base_config = scan.config
         scan.config = lambda dim, dstate, dtype, B, C: scan.with_overrides(
-            base_config(dim, dstate, dtype, B, C), overrides, dim, B, C)
+            base_config(dim, dstate, dtype, B, C), overrides, dim, B, C
+        )
     inputs = make_bench_inputs(args.shape, device="cpu", dtype=args.dtype, small_seqlen=256)
     out, _, ckpt = scan.scan_fwd(**inputs)
     scan.scan_bwd(
