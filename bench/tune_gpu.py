@@ -2,8 +2,10 @@
 
     python bench/tune_gpu.py --shapes S1,S7 --configs "NS=1;NS=2;NS=1,STAGES=2" [--which fwd,bwd]
 
-Each configuration is a set of overrides of kernels.scan.config (T, NS, NI, CH, num_warps,
-STAGES). Prints one line per (shape, direction, configuration): median ms (do_bench).
+Each configuration is a set of overrides of the forward's tiles (kernels.scan.config: T, NS,
+NI, CH, num_warps, STAGES) and, with a "b." prefix, the backward's (kernels.scan.bwd_config),
+plus TW for scan.TARGET_WARPS. Prints one line per (shape, direction, configuration): median ms
+(do_bench).
 """
 
 from __future__ import annotations
@@ -28,13 +30,21 @@ def parse(config: str) -> dict:
 
 
 def use_config(overrides: dict) -> None:
-    def config(dim, dstate, dtype, B, C):
-        return scan.with_overrides(default(dim, dstate, dtype, B, C), overrides, dim, B, C)
+    """Patch scan's tile functions; the plan cache is emptied so that they are called."""
+    scan.TARGET_WARPS = overrides.get("TW", DEFAULT_TARGET_WARPS)
+    fwd = {k: v for k, v in overrides.items() if "." not in k and k != "TW"}
+    bwd = {k[2:]: v for k, v in overrides.items() if k.startswith("b.")}
+    for name, chosen in (("config", fwd), ("bwd_config", bwd)):
 
-    scan.config = config
+        def tiles(dim, dstate, dtype, B, C, default=DEFAULTS[name], chosen=chosen):
+            return scan.with_overrides(default(dim, dstate, dtype, B, C), chosen, dim, B, C)
+
+        setattr(scan, name, tiles)
+    scan._PLANS.clear()
 
 
-default = scan.config
+DEFAULTS = {"config": scan.config, "bwd_config": scan.bwd_config}
+DEFAULT_TARGET_WARPS = scan.TARGET_WARPS
 
 
 def main() -> None:

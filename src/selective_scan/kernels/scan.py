@@ -58,12 +58,13 @@ def bc_blocks(t: Tensor, T: int, NP: int, dtype: torch.dtype) -> Tensor:
     return blocks
 
 
-def _bc_args(t: Tensor, blocks: Tensor | None, dim) -> tuple:
-    """(tensor, groups, channels per group, channel stride, state stride) for the kernels:
-    pre-blocked variable B/C (strides implied by the block layout), or constant (dim, dstate)."""
-    if blocks is None:
-        return t, 1, 1, t.stride(0), t.stride(1)
-    return blocks, blocks.shape[1], dim // blocks.shape[1], 0, 0
+def _bc_args(t: Tensor, dim) -> tuple:
+    """(groups, channels per group, channel stride, state stride) for the kernels: pre-blocked
+    variable B/C (strides implied by the block layout, see bc_blocks), or constant (dim, dstate)."""
+    if t.dim() == 2:
+        return 1, 1, t.stride(0), t.stride(1)
+    groups = 1 if t.dim() == 3 else t.shape[1]
+    return groups, dim // groups, 0, 0
 
 
 def _fast_math(u: Tensor, cdt: torch.dtype) -> bool:
@@ -88,6 +89,11 @@ def config(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor) -> dict:
     cfg = dict(T=max(16 // dtype.itemsize, 4), NS=NS,
                NI=n_pad // NS, CH=1, num_warps=1, STAGES=3)  # fmt: skip
     return _derive_block(cfg, dim, B, C)
+
+
+def bwd_config(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor) -> dict:
+    """Tiles of the backward: the forward's (measured best so far, bench/NOTES.md)."""
+    return config(dim, dstate, dtype, B, C)
 
 
 def _derive_block(cfg: dict, dim, B: Tensor, C: Tensor) -> dict:
@@ -136,26 +142,24 @@ def with_overrides(cfg: dict, overrides: dict, dim, B: Tensor, C: Tensor) -> dic
 
 
 class _Plan:
-    """What both launchers derive from the inputs: the compute dtype, sizes, tiles, ranges,
-    pre-blocked B/C, and the leading arguments both kernels' signatures share."""
+    """What both launchers derive from the inputs' shapes, strides, dtypes and devices alone:
+    the compute dtype, sizes, tiles, ranges, and the leading arguments both kernels' signatures
+    share. Built by ``plan``."""
 
-    def __init__(self, u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens):
+    def __init__(self, cfg_fn, u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens):
         check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
         self.cdt = cdt = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
         self.batch, self.dim, self.seqlen = batch, dim, seqlen = u.shape
         self.dstate = A.shape[1]
         self.num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        self.cfg = cfg = config(dim, self.dstate, u.dtype, B, C)
-        self.NP = NP = cfg["NS"] * cfg["NI"]
+        self.cfg = cfg = cfg_fn(dim, self.dstate, u.dtype, B, C)
+        self.NP = cfg["NS"] * cfg["NI"]
         self.n_blocks = cdiv(dim, cfg["BD"])
-        Bb, *sB = _bc_args(B, bc_blocks(B, cfg["T"], NP, cdt) if B.dim() > 2 else None, dim)
-        Cb, *sC = _bc_args(C, bc_blocks(C, cfg["T"], NP, cdt) if C.dim() > 2 else None, dim)
         self.n_ranges, range_len = ranges(cfg, self.num_states, dim, seqlen, cu_seqlens is not None)
-        self.tensors = (u, delta, A, Bb, Cb, D, z, delta_bias, initial_state, cu_seqlens)
         self.args = (
             dim, seqlen, range_len, self.n_ranges,
             *u.stride(), *delta.stride(), *_strides3(z), *A.stride(),
-            cdiv(seqlen, cfg["T"]), *sB, *sC,
+            cdiv(seqlen, cfg["T"]), *_bc_args(B, dim), *_bc_args(C, dim),
             0 if D is None else D.stride(0), 0 if delta_bias is None else delta_bias.stride(0),
             *_strides3(initial_state),
         )  # fmt: skip
@@ -167,6 +171,13 @@ class _Plan:
             STAGES=cfg["STAGES"], num_warps=cfg["num_warps"],
         )  # fmt: skip
 
+    def tensors(self, u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens) -> tuple:
+        """The kernels' leading tensor arguments: the inputs, variable B/C pre-blocked."""
+        T, NP, cdt = self.cfg["T"], self.NP, self.cdt
+        Bb = bc_blocks(B, T, NP, cdt) if B.dim() > 2 else B
+        Cb = bc_blocks(C, T, NP, cdt) if C.dim() > 2 else C
+        return u, delta, A, Bb, Cb, D, z, delta_bias, initial_state, cu_seqlens
+
     def launches(self):
         """(LOCAL flag, grid) of each launch: the ranges' local pass first when there are
         several ranges (see scan_fwd.py), then the full pass."""
@@ -174,6 +185,32 @@ class _Plan:
         if _may_exceed_one(count):
             yield True, (blocks, states, count - 1)
         yield False, (blocks, states, count)
+
+
+# Plans of eager calls by layout (shapes, strides, dtypes, devices): a training loop repeats a
+# few layouts, and checking and planning again on every call is Python time the GPU waits for
+# on short kernels. Emptied when full, to stay small. A plan keeps the FAST flag it was made
+# with (it reads TRITON_INTERPRET; both settings are correct).
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 256
+
+
+def plan(cfg_fn, *inputs) -> _Plan:
+    """The _Plan of the ten scan inputs (u, delta, A, B, C, D, z, delta_bias, initial_state,
+    cu_seqlens) with the tiles of cfg_fn (config or bwd_config): cached for real tensors, built
+    afresh for fake ones (tracing, where sizes may be symbolic). Checks raise before anything is
+    cached."""
+    if is_fake(inputs[0]):
+        return _Plan(cfg_fn, *inputs)
+    key = (cfg_fn, *[None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+                     for t in inputs])  # fmt: skip
+    found = _PLANS.get(key)
+    if found is None:
+        found = _Plan(cfg_fn, *inputs)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = found
+    return found
 
 
 def scan_fwd(
@@ -191,7 +228,8 @@ def scan_fwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Triton forward: (out (batch, dim, seqlen) in u's dtype, last_state (batch or num_seqs,
     dim, dstate), checkpoints (batch, dim, ceil(seqlen / CKPT) + 1, dstate)), float32 states."""
-    p = _Plan(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
+    inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
+    p = plan(config, *inputs)
     if cu_seqlens is not None and not is_fake(cu_seqlens):  # eager only: reads it to the host
         check_cu_seqlens_values(cu_seqlens, p.seqlen)
     out = u.new_empty(u.shape)
@@ -201,7 +239,7 @@ def scan_fwd(
     dt_sums = u.new_empty((p.num_states, p.n_ranges, p.dim), dtype=p.cdt)
     for local, grid in p.launches():
         wrap_triton(_scan_fwd_kernel)[grid](
-            *p.tensors, out, last, ckpt, h_local, dt_sums, *p.args,
+            *p.tensors(*inputs), out, last, ckpt, h_local, dt_sums, *p.args,
             out.stride(0), out.stride(1), ckpt.stride(0), ckpt.stride(1), ckpt.stride(2),
             last.stride(0), last.stride(1),
             SOFTPLUS=delta_softplus, LOCAL=local, **p.flags,
@@ -246,7 +284,8 @@ def scan_bwd(
     """Triton backward from the forward's checkpoints: (du, ddelta, dA, dB, dC, dD, dz,
     ddelta_bias, dinitial_state), each in its input's dtype and shape (empty for absent
     optional inputs). Deterministic: partial sums are reduced in a fixed order."""
-    p = _Plan(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
+    inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
+    p = plan(bwd_config, *inputs)
     batch, dim, seqlen, dstate, cdt, NP = p.batch, p.dim, p.seqlen, p.dstate, p.cdt, p.NP
     programs = p.num_states * p.n_ranges  # partial sums are per (sequence, range)
 
@@ -271,7 +310,7 @@ def scan_bwd(
     last_strides = (0, 0, 0) if dlast_state is None else dlast_state.stride()
     for local, grid in p.launches():
         wrap_triton(_scan_bwd_kernel)[grid](
-            *p.tensors, dout, dlast_state, checkpoints, scratch,
+            *p.tensors(*inputs), dout, dlast_state, checkpoints, scratch,
             du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, dbias_part, dh0,
             dh_local, dt_sums, *p.args,
             p.n_blocks, *dout.stride(), *last_strides,
