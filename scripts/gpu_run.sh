@@ -1,16 +1,49 @@
 #!/usr/bin/env bash
-# The one device call: GPU tests, then the benchmark. Logs and results go to $OUT.
+# The one device call: GPU tests, the scan benchmark, the decode and varlen benchmarks, the AOTI
+# probe. Results go to $OUT, kept to 5 files (the device tool returns at most 8):
+#   run.log                                  every stage's output, one after the other
+#   h200.json decode.json varlen.json        the benchmarks' results
+#   aoti_probe.json                          the probe's report (its packages stay outside $OUT)
+#
 #   scripts/gpu_run.sh [pytest args...]      (run from the repository root)
+#
+# Each stage runs under its own timeout, overridable from the environment (seconds; 0 skips the
+# stage). The defaults sum to 560 s, under the 600 s a device command may run.
 set -uo pipefail
 export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/selective_scan_gpu}"
+LOG="$OUT/run.log"
 mkdir -p "$OUT"
-{ nvidia-smi; python3 -c "import torch, triton, platform; print('torch', torch.__version__, 'triton', triton.__version__, 'python', platform.python_version(), torch.cuda.get_device_name())"; } > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt" | tail -3
-# Real kernels: GPU-only tests, the interpreter cases, and the option grids on CUDA tensors with
-# both backends. (test_export and test_demo load AOTInductor packages, which crashes on the
-# lent machine's image: bench/NOTES.md; scripts/aoti_probe.py records why.)
-TESTS="${TESTS:-tests/test_gpu.py tests/test_triton_interpreter.py tests/test_scan.py tests/test_state_varlen.py tests/test_ops.py tests/test_compile.py}"
-timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q --maxfail=20 -p no:cacheprovider $TESTS "$@" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-timeout "${BENCH_TIMEOUT:-330}" python3 bench/gpu_bench.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -12
-timeout "${PROBE_TIMEOUT:-100}" python3 scripts/aoti_probe.py --out "$OUT/aoti" --backtrace > "$OUT/aoti_probe.log" 2>&1; tail -3 "$OUT/aoti_probe.log"
+
+# stage NAME SECONDS LINES COMMAND...: run COMMAND under a timeout, append its output to run.log,
+# print its last LINES lines and how it ended.
+stage() {
+    local name=$1 limit=$2 lines=$3 start=$SECONDS
+    shift 3
+    if [ "$limit" = 0 ]; then
+        echo "== $name: skipped" | tee -a "$LOG"
+        return
+    fi
+    echo "== $name (limit ${limit} s): $*" >> "$LOG"
+    { timeout -k 10 "$limit" "$@"; echo "== $name: exit $? after $((SECONDS - start)) s"; } 2>&1 \
+        | tee -a "$LOG" | tail -n "$lines"
+}
+
+{ nvidia-smi; python3 -c "import torch, triton, platform; print('torch', torch.__version__, 'triton', triton.__version__, 'python', platform.python_version(), torch.cuda.get_device_name())"; } > "$LOG" 2>&1
+tail -1 "$LOG"
+
+# Real kernels: the decode step's operator checks first (never run on a GPU before), then the
+# GPU-only tests, the interpreter cases, and the option grids on CUDA tensors with both
+# backends. (test_export and test_demo load AOTInductor packages, which crashes on the lent
+# machine's image: bench/NOTES.md; scripts/aoti_probe.py records why.)
+STEP_TESTS="tests/test_state_update.py::test_opcheck tests/test_state_update.py::test_compile_fullgraph_matches_eager tests/test_state_update.py::test_triton_kernel_matches_oracle tests/test_state_update.py::test_triton_eager_plans_by_layout"
+TESTS="${TESTS:-$STEP_TESTS tests/test_gpu.py tests/test_triton_interpreter.py tests/test_scan.py tests/test_state_varlen.py tests/test_ops.py tests/test_compile.py}"
+# TESTS and the *_ARGS variables are word lists: left unquoted on purpose.
+stage tests "${TEST_TIMEOUT:-150}" 25 python3 -m pytest -q --maxfail=20 -p no:cacheprovider $TESTS "$@"
+stage bench "${BENCH_TIMEOUT:-180}" 12 python3 bench/gpu_bench.py --out "$OUT" ${BENCH_ARGS:-}
+stage decode "${DECODE_TIMEOUT:-100}" 25 python3 bench/decode_bench.py --out "$OUT" ${DECODE_ARGS:-}
+stage varlen "${VARLEN_TIMEOUT:-90}" 10 python3 bench/varlen_bench.py --out "$OUT" ${VARLEN_ARGS:-}
+PROBE_DIR="$(mktemp -d)"
+stage probe "${PROBE_TIMEOUT:-40}" 3 python3 scripts/aoti_probe.py --out "$PROBE_DIR" --backtrace
+cp "$PROBE_DIR/aoti_probe.json" "$OUT/" 2>/dev/null
+ls "$OUT"

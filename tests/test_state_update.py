@@ -425,3 +425,33 @@ BAD = [
 def test_bad_input(backend, name, value, error, match):
     with pytest.raises(error, match=match):
         selective_state_update(**_bad(name, value), dt_softplus=True)
+
+
+@pytest.mark.skipif(not TRITON_RUNS, reason="needs triton (a GPU or the interpreter)")
+def test_triton_eager_plans_by_layout(monkeypatch):
+    """Plain eager calls of one layout share a launch plan, a new layout (strides of x here)
+    gets its own, and each gives the oracle's result."""
+    from selective_scan.kernels import state_update as state_update_kernel  # needs triton
+
+    monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", "triton")
+    monkeypatch.setattr(state_update_kernel, "_PLANS", {})
+    for seed in range(2):
+        run_and_check(step_inputs(seed=seed), softplus=True)
+    assert len(state_update_kernel._PLANS) == 1
+    strided = step_inputs(seed=2)
+    strided["x"] = torch.stack([strided["x"], strided["x"]], dim=-1)[..., 1]
+    run_and_check(strided, softplus=True)
+    assert len(state_update_kernel._PLANS) == 2
+
+
+@pytest.mark.skipif(not TRITON_RUNS, reason="needs triton (a GPU or the interpreter)")
+@pytest.mark.parametrize(
+    ("name", "value", "error", "match"),
+    [bad for bad in BAD if bad[0] in ("C", "dt_bias")],  # a dtype, a device; shapes unchanged
+)
+def test_triton_eager_plan_keeps_the_checks(monkeypatch, name, value, error, match):
+    """A call that differs from a planned one only in a dtype or a device still fails."""
+    monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", "triton")
+    selective_state_update(**step_inputs(), dt_softplus=True)
+    with pytest.raises(error, match=match):
+        selective_state_update(**_bad(name, value), dt_softplus=True)

@@ -139,7 +139,8 @@ def selective_state_update(
     A decode step is short, so the dispatcher's cost matters (about 100 us per call of an
     operator that mutates an input, measured on the 2-core development CPU): in plain eager
     mode the implementation is called directly, with the op's effect on state's version
-    counter; under torch.compile, torch.export and any mode or transform, the op is called.
+    counter (and the Triton one reuses the launch plan of earlier calls of the same layout);
+    under torch.compile, torch.export and any mode or transform, the op is called.
     """
     args = (state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
     op, implementation = _backend(state)
