@@ -1,14 +1,17 @@
 """Shared by the model-level tests: readable oracles for the conv and the Mamba inner path (a
 loop over the conv taps, and plain PyTorch ops around selective_scan_ref, meant to run in
-float64), compile checks and a training loop."""
+float64), outputs and gradients compared at once, packed sequences cut into chunks, compile
+checks and a training loop."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import pytest
 import torch
 import torch._dynamo.testing
+from helpers import assert_close
 from torch._dynamo.utils import counters
 
 from selective_scan import selective_scan_ref
@@ -73,6 +76,43 @@ def mamba_inner_naive(
     )  # fmt: skip
     out = y.permute(0, 2, 1) @ out_proj_weight.t()
     return out if out_proj_bias is None else out + out_proj_bias
+
+
+def weighted_sum_grads(outputs: list, leaves: dict) -> tuple:
+    """Gradients w.r.t. leaves of sum_i sum(outputs[i] * w_i), w_i fixed random weights."""
+    gen = torch.Generator().manual_seed(1)
+    loss = sum((o * torch.randn(o.shape, generator=gen, dtype=o.dtype)).sum() for o in outputs)
+    return torch.autograd.grad(loss, list(leaves.values()))
+
+
+def assert_same_with_grads(actual: list, expected: list, leaves: dict, tol: float) -> None:
+    """Each output close to its expected value, and so is each gradient of one weighted loss of
+    the outputs w.r.t. the leaves (a dict name -> tensor requiring grad)."""
+    for i, (out, exp) in enumerate(zip(actual, expected, strict=True)):
+        assert_close(f"output {i}", out, exp, tol)
+    grads = weighted_sum_grads(actual, leaves)
+    for name, grad, exp in zip(leaves, grads, weighted_sum_grads(expected, leaves), strict=True):
+        assert_close(f"grad of {name}", grad, exp, tol)
+
+
+def cu_seqlens_of(lengths: list[int]) -> torch.Tensor:
+    """(len(lengths) + 1,) int32: 0, then the running sums of the sequence lengths."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+
+def split_into_chunks(x: torch.Tensor, parts: list[list[int]], dim: int) -> list[torch.Tensor]:
+    """Cut sequences packed along dim into chunks, packed alike: chunk c holds the next
+    parts[c][i] tokens of every sequence i (whose length is sum_c parts[c][i])."""
+    per_seq = list(zip(*parts, strict=True))  # per_seq[i]: the part sizes of sequence i
+    seqs = x.split([sum(sizes) for sizes in per_seq], dim)
+    pieces = [seq.split(list(sizes), dim) for seq, sizes in zip(seqs, per_seq, strict=True)]
+    return [torch.cat([p[c] for p in pieces], dim) for c in range(len(parts))]
+
+
+def join_chunks(chunks: list[torch.Tensor], parts: list[list[int]], dim: int) -> torch.Tensor:
+    """The inverse of split_into_chunks."""
+    pieces = [chunk.split(sizes, dim) for chunk, sizes in zip(chunks, parts, strict=True)]
+    return torch.cat([torch.cat(seq, dim) for seq in zip(*pieces, strict=True)], dim)
 
 
 @contextlib.contextmanager

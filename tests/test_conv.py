@@ -4,9 +4,17 @@ against the full conv, bad arguments, torch.compile and torch.export."""
 import pytest
 import torch
 from helpers import assert_close
-from model_helpers import causal_conv1d_naive, compile_fullgraph, hermetic_compile
+from model_helpers import (
+    assert_same_with_grads,
+    causal_conv1d_naive,
+    compile_fullgraph,
+    cu_seqlens_of,
+    hermetic_compile,
+    join_chunks,
+    split_into_chunks,
+)
 
-from selective_scan.conv import causal_conv1d_fn, causal_conv1d_update
+from selective_scan.conv import causal_conv1d_fn, causal_conv1d_update, causal_conv1d_varlen_fn
 
 DIM = 6
 
@@ -76,6 +84,99 @@ def test_channel_last_layout_and_final_states_out():
     assert torch.equal(final, expected_final)
 
 
+def each_sequence_alone(x, weight, bias, lengths, histories):
+    """The float64 oracle on each packed sequence of x (1, dim, total_len) as its own batch row,
+    from its history (num_seqs, dim, state_len): (out, the last state_len inputs of each)."""
+    width, state_len = weight.shape[1], histories.shape[-1]
+    outs, finals = [], []
+    for seq, history in zip(x.split(lengths, dim=-1), histories.split(1), strict=True):
+        conv_history = history[..., state_len - (width - 1) :]
+        outs.append(causal_conv1d_naive(seq, weight, bias, conv_history, "silu")[0])
+        finals.append(torch.cat([history, seq], dim=-1)[..., -state_len:])
+    return torch.cat(outs, dim=-1), torch.cat(finals)
+
+
+@pytest.mark.parametrize("rows", [[[3, 1, 5], [9]], [[2, 2, 2, 3], [1, 8]]], ids=str)
+def test_seq_idx_matches_each_sequence_alone(rows):
+    """rows[b]: the lengths of the sequences packed in batch row b (shorter than the conv too)."""
+    inputs = conv_inputs(batch=len(rows), seqlen=9, dtype=torch.float64)
+    del inputs["initial_states"]
+    leaves = requiring_grad(inputs)
+    seq_idx = [torch.arange(len(r)).repeat_interleave(torch.tensor(r)) for r in rows]
+    out = causal_conv1d_fn(**leaves, seq_idx=torch.stack(seq_idx).int(), activation="silu")
+    x, weight, bias = leaves.values()
+    expected = [
+        each_sequence_alone(x[b : b + 1], weight, bias, r, x.new_zeros(len(r), DIM, 3))[0]
+        for b, r in enumerate(rows)
+    ]
+    assert_same_with_grads([out], [torch.cat(expected)], leaves, 1e-12)
+
+
+# (sequence lengths, state_len, or None for no initial states): an empty sequence, sequences
+# shorter than width - 1 = 3, and states longer than the conv reads.
+VARLEN_CASES = [
+    pytest.param([4, 1, 0, 6], None, id="no_initial_states"),
+    pytest.param([4, 1, 0, 6], 3, id="initial_states"),
+    pytest.param([2, 9], 5, id="state_len=5"),
+]
+
+
+@pytest.mark.parametrize(("lengths", "state_len"), VARLEN_CASES)
+def test_varlen_matches_each_sequence_alone(lengths, state_len):
+    inputs = conv_inputs(batch=1, seqlen=sum(lengths), dtype=torch.float64)
+    states_shape = (len(lengths), DIM, state_len or 3)
+    gen = torch.Generator().manual_seed(2)
+    inputs["initial_states"] = torch.randn(states_shape, generator=gen, dtype=torch.float64)
+    if state_len is None:
+        del inputs["initial_states"]
+    leaves = requiring_grad(inputs)
+    out, final = causal_conv1d_varlen_fn(
+        **leaves, cu_seqlens=cu_seqlens_of(lengths), return_final_states=True, activation="silu"
+    )
+    histories = leaves.get("initial_states", torch.zeros(states_shape, dtype=torch.float64))
+    x, weight, bias = leaves["x"], leaves["weight"], leaves["bias"]
+    expected = each_sequence_alone(x, weight, bias, lengths, histories)
+    assert_same_with_grads([out, final], list(expected), leaves, 1e-12)
+
+
+# Chunks of one sequence per batch row (some shorter than width - 1 = 3), or of three packed
+# sequences: chunk c holds parts[c][i] tokens of sequence i (none of the second in chunk 2).
+CHUNK_CASES = [
+    pytest.param(None, [[2], [1], [8]], id="batch"),
+    pytest.param(4, [[3, 2, 1], [2, 0, 6]], id="packed"),
+]
+
+
+@pytest.mark.parametrize(("state_len", "parts"), CHUNK_CASES)
+def test_chunks_carrying_final_states_match_the_whole(state_len, parts):
+    """state_len None: causal_conv1d_fn on batch rows; else causal_conv1d_varlen_fn."""
+    lengths = [sum(sizes) for sizes in zip(*parts, strict=True)]
+    packed = state_len is not None
+    inputs = conv_inputs(batch=1 if packed else 2, seqlen=sum(lengths), dtype=torch.float64)
+    if packed:
+        gen = torch.Generator().manual_seed(3)
+        shape = (len(lengths), DIM, state_len)
+        inputs["initial_states"] = torch.randn(shape, generator=gen, dtype=torch.float64)
+    leaves = requiring_grad(inputs)
+    x, weight, bias, initial_states = leaves.values()
+
+    def conv(x, lengths, states):
+        fn, options = causal_conv1d_fn, {}
+        if packed:
+            fn, options = causal_conv1d_varlen_fn, {"cu_seqlens": cu_seqlens_of(lengths)}
+        return fn(
+            x, weight, bias, initial_states=states, return_final_states=True, activation="silu",
+            **options,
+        )  # fmt: skip
+
+    whole = conv(x, lengths, initial_states)
+    outs, states = [], initial_states
+    for chunk, sizes in zip(split_into_chunks(x, parts, -1), parts, strict=True):
+        out, states = conv(chunk, sizes, states)
+        outs.append(out)
+    assert_same_with_grads([join_chunks(outs, parts, -1), states], list(whole), leaves, 1e-12)
+
+
 def stepped(update_x, prefix_states, inputs, chunks, state_len, activation):
     """Run update_x through causal_conv1d_update in the given chunk lengths (0 means one 2-D
     (batch, dim) step), from a conv_state of state_len entries ending with prefix_states (the
@@ -127,6 +228,15 @@ def call_fn(**changes):
     return lambda: causal_conv1d_fn(**conv_inputs() | changes)
 
 
+SEQ_IDX = torch.zeros(2, 9, dtype=torch.int32)
+CU = torch.tensor([0, 4, 4, 9], dtype=torch.int32)
+
+
+def call_varlen(**changes):
+    inputs = conv_inputs(batch=1) | {"initial_states": None}
+    return lambda: causal_conv1d_varlen_fn(**inputs | {"cu_seqlens": CU} | changes)
+
+
 def call_update(**changes):
     inputs = conv_inputs()
     args = {"x": inputs["x"][..., 0], "conv_state": torch.zeros(2, DIM, 3)}
@@ -137,11 +247,23 @@ def call_update(**changes):
 @pytest.mark.parametrize(
     ("call", "match"),
     [
-        (call_fn(seq_idx=torch.zeros(2, 9, dtype=torch.int32)), r"seq_idx .* not supported"),
+        (call_fn(seq_idx=SEQ_IDX), r"seq_idx cannot be combined with initial_states"),
+        (call_fn(seq_idx=SEQ_IDX[:, 1:], initial_states=None), r"seq_idx must have shape"),
+        (call_fn(seq_idx=SEQ_IDX.float(), initial_states=None), r"seq_idx must have dtype in"),
         (call_fn(activation="relu"), r"activation must be one of"),
         (call_fn(weight=torch.randn(DIM + 1, 4)), r"weight must have shape \(dim, width\)"),
         (call_fn(bias=torch.randn(DIM + 1)), r"bias must have shape \(dim,\)"),
         (call_fn(initial_states=torch.randn(2, DIM, 4)), r"initial_states must have shape"),
+        (call_varlen(x=torch.randn(2, DIM, 9)), r"x must have shape \(1, dim, total_len\)"),
+        (call_varlen(cu_seqlens=CU[:1]), r"cu_seqlens must have shape \(num_seqs \+ 1,\)"),
+        (call_varlen(cu_seqlens=CU - 1), r"cu_seqlens must start at 0 and end at seqlen=9"),
+        (call_varlen(cu_seqlens=torch.tensor([0, 6, 4, 9])), r"cu_seqlens must be non-decreasing"),
+        (call_varlen(cu_seqlens=CU.float()), r"cu_seqlens must have dtype in \(int32, int64\)"),
+        (
+            call_varlen(initial_states=torch.randn(2, DIM, 3)),
+            r"initial_states must have shape \(num_seqs, dim, state_len\) = \(3, 6, \*\)",
+        ),
+        (call_varlen(initial_states=torch.randn(3, DIM, 2)), r"state_len >= width - 1 = 3"),
         (call_update(cache_seqlens=torch.zeros(2, dtype=torch.int32)), r"cache_seqlens .* not"),
         (call_update(conv_state=torch.zeros(2, DIM, 2)), r"state_len >= width - 1 = 3"),
         (call_update(conv_state=torch.zeros(3, DIM, 4)), r"conv_state must have shape"),
@@ -153,7 +275,7 @@ def call_update(**changes):
     ids=lambda v: v if isinstance(v, str) else "",
 )
 def test_bad_arguments_name_the_argument(call, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         call()
 
 
@@ -165,19 +287,23 @@ def no_compile_caches():
 
 @pytest.mark.usefixtures("no_compile_caches")
 def test_compiled_fn_matches_eager_without_recompiling():
-    def loss(x, weight, bias, initial_states):
+    def loss(x, weight, bias, initial_states, seq_idx):
         out, final = causal_conv1d_fn(
             x, weight, bias, initial_states=initial_states, return_final_states=True,
             activation="silu",
         )  # fmt: skip
-        return (out * out).sum() + final.sum()
+        packed = causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, activation="silu")
+        return (out * out).sum() + final.sum() + (packed * packed).sum()
 
     compiled, check_one_graph = compile_fullgraph(loss, dynamic=True)
     # First-call sizes distinct from dim 6, width 4 and width - 1 = 3 (duck sizing).
     for seed, (batch, seqlen) in enumerate([(5, 17), (2, 40)]):
         inputs = conv_inputs(batch=batch, seqlen=seqlen, seed=seed)
         eager_args, compiled_args = requiring_grad(inputs), requiring_grad(inputs)
-        expected, actual = loss(**eager_args), compiled(**compiled_args)
+        # Sequences of 7 tokens, each row starting at another offset.
+        seq_idx = ((torch.arange(batch)[:, None] + torch.arange(seqlen)) // 7).int()
+        expected = loss(**eager_args, seq_idx=seq_idx)
+        actual = compiled(**compiled_args, seq_idx=seq_idx)
         assert_close("loss", actual, expected, 1e-6)
         grads = torch.autograd.grad(actual, list(compiled_args.values()))
         expected_grads = torch.autograd.grad(expected, list(eager_args.values()))

@@ -1,6 +1,7 @@
 """The Mamba language model: mamba_ssm's parameter names, full-sequence logits against
-token-by-token decoding, greedy generation, a compiled training step, the prefill exported, and
-the decode step exported and packaged with the cache as explicit inputs and outputs."""
+token-by-token decoding and chunked or packed prefill, packed documents against each alone,
+greedy generation, a compiled training step, the prefill exported, and the decode step exported
+and packaged with the cache as explicit inputs and outputs."""
 
 import copy
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import assert_close
-from model_helpers import compile_fullgraph, hermetic_compile, train
+from model_helpers import compile_fullgraph, cu_seqlens_of, hermetic_compile, train
 
 from selective_scan.models import MambaLMHeadModel
 
@@ -74,6 +75,55 @@ def test_prefill_then_steps_match_forward(model, prompt):
     for t in range(prompt, 11):
         logits, cache = model.step(ids[:, t : t + 1], cache)
         assert_close(f"logits at {t}", logits, expected[:, t : t + 1], 1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("chunks", [[1, 2, 5], [6, 2]], ids=str)
+def test_chunked_prefill_then_steps_match_forward(model, chunks):
+    """Each chunk continues from the cache of the one before (chunks shorter than d_conv too)."""
+    ids = tokens(batch=2, seqlen=11, seed=7)
+    expected = model(ids)
+    cache, start = None, 0
+    for n in chunks:
+        logits, cache = model.prefill(ids[:, start : start + n], cache)
+        assert_close(f"logits of chunk at {start}", logits, expected[:, start : start + n], 1e-5)
+        start += n
+    for t in range(start, 11):
+        logits, cache = model.step(ids[:, t : t + 1], cache)
+        assert_close(f"logits at {t}", logits, expected[:, t : t + 1], 1e-5)
+
+
+@torch.no_grad()
+def test_packed_forward_matches_each_document(model):
+    lengths = [4, 1, 7, 2]
+    ids = tokens(batch=1, seqlen=sum(lengths), seed=8)
+    logits = model(ids, cu_seqlens=cu_seqlens_of(lengths))
+    expected = torch.cat([model(doc) for doc in ids.split(lengths, dim=1)], dim=1)
+    assert_close("logits", logits, expected, 1e-5)
+
+
+@torch.no_grad()
+def test_packed_prefill_then_batch_steps_match_each_document(model):
+    """Prompts packed into one prefill; the cache then holds one row per prompt."""
+    prompt_lengths, new_tokens = [3, 1, 5], 2
+    docs = [tokens(1, n + new_tokens, seed=10 + n) for n in prompt_lengths]
+    expected = [model(doc) for doc in docs]
+    prompts = torch.cat([doc[:, :n] for doc, n in zip(docs, prompt_lengths, strict=True)], 1)
+    logits, cache = model.prefill(prompts, cu_seqlens=cu_seqlens_of(prompt_lengths))
+    prompt_logits = [exp[:, :n] for exp, n in zip(expected, prompt_lengths, strict=True)]
+    assert_close("prefill logits", logits, torch.cat(prompt_logits, dim=1), 1e-5)
+    for step in range(new_tokens):
+        at = [n + step for n in prompt_lengths]  # each document's next position
+        next_ids = torch.cat([doc[:, t : t + 1] for doc, t in zip(docs, at, strict=True)])
+        logits, cache = model.step(next_ids, cache)
+        step_logits = [exp[:, t : t + 1] for exp, t in zip(expected, at, strict=True)]
+        assert_close(f"logits of step {step}", logits, torch.cat(step_logits), 1e-5)
+
+
+def test_prefill_rejects_a_cache_of_another_depth(model):
+    cache = model.allocate_inference_cache(batch_size=2)
+    with pytest.raises(ValueError, match=r"one \(conv_state, ssm_state\) pair per layer, 2, got 1"):
+        model.prefill(tokens(batch=2, seqlen=3), cache[:1])
 
 
 @torch.no_grad()

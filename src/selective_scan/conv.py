@@ -2,7 +2,10 @@
 
 A valid depthwise conv over the input preceded by its history (zeros, or given states):
 ``F.conv1d`` in eager mode, a sum of shifted products under ``torch.compile`` and
-``torch.export`` (see ``_depthwise_conv``). Differentiable, no custom op, no graph break.
+``torch.export`` (see ``_depthwise_conv``). Sequences packed along seqlen (``seq_idx``, or
+``cu_seqlens`` with a state per sequence in ``causal_conv1d_varlen_fn``) always take the sum of
+products, each tap reading only inputs of its token's own sequence. Differentiable, no custom
+op, no graph break, no host sync.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_shape, check_tensor
+from ._checks import check_cu_seqlens_values, check_shape, check_tensor
 
 _ACTIVATIONS = (None, "silu", "swish")
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -33,6 +36,24 @@ def _check_conv_inputs(
         check_shape(name, "bias", bias, (dim,), "(dim,)")
 
 
+def _sum_of_taps(taps, weight: Tensor, bias: Tensor | None, activation: str | None) -> Tensor:
+    """act(bias + sum_k weight[:, k] * taps[k]): taps are width tensors (batch, dim, seqlen), tap
+    k holding for each token the input width - 1 - k steps before it."""
+    out = None
+    for k, tap in enumerate(taps):
+        term = tap * weight[:, k : k + 1]
+        out = term if out is None else out + term
+    if bias is not None:
+        out = out + bias[:, None]
+    return out if activation is None else F.silu(out)
+
+
+def _shifted(x_hist: Tensor, width: int):
+    """The width taps of x_hist (batch, dim, width - 1 + seqlen): slices (batch, dim, seqlen)."""
+    seqlen = x_hist.shape[-1] - width + 1
+    return (x_hist[..., k : k + seqlen] for k in range(width))
+
+
 def _depthwise_conv(
     x_hist: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None
 ) -> Tensor:
@@ -46,16 +67,27 @@ def _depthwise_conv(
         # Under torch.compile / torch.export: Inductor's lowering of the conv backward fixes
         # every size of the graph (a recompilation for each new batch or seqlen), while this
         # sum of width shifted products fuses into one kernel and keeps the sizes symbolic.
-        width = weight.shape[1]
-        seqlen = x_hist.shape[-1] - width + 1
-        out = x_hist[..., :seqlen] * weight[:, :1]
-        for k in range(1, width):
-            out = out + x_hist[..., k : k + seqlen] * weight[:, k : k + 1]
-        if bias is not None:
-            out = out + bias[:, None]
-    else:  # eager: one library conv (cuDNN / oneDNN) beats width separate passes
-        out = F.conv1d(x_hist, weight.unsqueeze(1), bias, groups=weight.shape[0])
+        return _sum_of_taps(_shifted(x_hist, weight.shape[1]), weight, bias, activation)
+    # eager: one library conv (cuDNN / oneDNN) beats width separate passes
+    out = F.conv1d(x_hist, weight.unsqueeze(1), bias, groups=weight.shape[0])
     return out if activation is None else F.silu(out)
+
+
+def _conv_within_sequences(
+    x_hist: Tensor, seq_hist: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None
+) -> Tensor:
+    """_depthwise_conv where a tap reading an input of another sequence reads zero instead.
+
+    seq_hist: (batch, width - 1 + seqlen), the sequence index of each input of x_hist.
+    """
+    width = weight.shape[1]
+    seq_now = seq_hist[:, None, width - 1 :]  # (batch, 1, seqlen): each token's sequence
+    seq_taps = _shifted(seq_hist[:, None], width)
+    taps = (
+        torch.where(seq == seq_now, x, 0)  # where, not a product: keeps inf/NaN of others out
+        for seq, x in zip(seq_taps, _shifted(x_hist.to(weight.dtype), width), strict=True)
+    )
+    return _sum_of_taps(taps, weight, bias, activation)
 
 
 def causal_conv1d_fn(
@@ -70,20 +102,19 @@ def causal_conv1d_fn(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Causal depthwise conv1d: out[t] = act(bias + sum_k weight[:, k] * x[t - width + 1 + k]).
 
-    x: (batch, dim, seqlen); weight: (dim, width); bias: (dim,); initial_states:
+    x: (batch, dim, seqlen); weight: (dim, width); bias: (dim,); seq_idx: (batch, seqlen)
+    int32/int64, the sequence of each token when several are packed along seqlen: a token only
+    sees earlier inputs with its own seq_idx (the others read as zero); initial_states:
     (batch, dim, width - 1), the inputs before x (zeros when None); activation None, "silu" or
     "swish". Returns out (batch, dim, seqlen) in x's dtype, and with return_final_states also
     the last width - 1 inputs (batch, dim, width - 1), written into final_states_out when given.
     Differentiable in x, weight, bias and initial_states.
 
-    Not supported: seq_idx (packed sequences); passing it raises ValueError.
+    As in the causal-conv1d package, seq_idx excludes initial and final states (a state does
+    not say which sequence it belongs to): causal_conv1d_varlen_fn keeps one per sequence.
     """
-    _check_conv_inputs("causal_conv1d_fn", x, weight, bias, activation)
-    if seq_idx is not None:
-        raise ValueError(
-            "causal_conv1d_fn: seq_idx (sequences packed along seqlen) is not supported; "
-            "run the sequences as separate batch rows"
-        )
+    fn = "causal_conv1d_fn"
+    _check_conv_inputs(fn, x, weight, bias, activation)
     batch, dim, seqlen = x.shape
     width = weight.shape[1]
     if initial_states is None:
@@ -91,17 +122,119 @@ def causal_conv1d_fn(
     else:
         check_tensor("initial_states", initial_states, (3,))
         check_shape(
-            "causal_conv1d_fn", "initial_states", initial_states, (batch, dim, width - 1),
-            "(batch, dim, width - 1)",
-        )  # fmt: skip
+            fn, "initial_states", initial_states, (batch, dim, width - 1), "(batch, dim, width - 1)"
+        )
         x_hist = torch.cat([initial_states.to(x.dtype), x], dim=-1)
-    out = _depthwise_conv(x_hist, weight, bias, activation).to(x.dtype)
+    if seq_idx is None:
+        out = _depthwise_conv(x_hist, weight, bias, activation)
+    else:
+        _check_seq_idx(x, seq_idx, initial_states, return_final_states)
+        # The zero padding before x reads as zero whichever sequence it is given.
+        seq_hist = F.pad(seq_idx, (width - 1, 0))
+        out = _conv_within_sequences(x_hist, seq_hist, weight, bias, activation)
+    out = out.to(x.dtype)
     if not return_final_states:
         return out
     final_states = x_hist[..., seqlen:]
     if final_states_out is not None:
         final_states_out.copy_(final_states)
         final_states = final_states_out
+    return out, final_states
+
+
+def _check_seq_idx(
+    x: Tensor, seq_idx: Tensor, initial_states: Tensor | None, return_final_states: bool
+) -> None:
+    """seq_idx: (batch, seqlen) int32/int64, with neither initial nor final states."""
+    fn = "causal_conv1d_fn"
+    check_tensor("seq_idx", seq_idx, (2,), dtypes=_INDEX_DTYPES, device=x.device)
+    check_shape(fn, "seq_idx", seq_idx, (x.shape[0], x.shape[2]), "(batch, seqlen)")
+    if initial_states is not None or return_final_states:
+        raise ValueError(
+            f"{fn}: seq_idx cannot be combined with initial_states or return_final_states, as "
+            "in the causal-conv1d package; for one state per packed sequence use "
+            "causal_conv1d_varlen_fn"
+        )
+
+
+def _check_varlen_inputs(x, weight, bias, cu_seqlens, initial_states, activation) -> None:
+    """x: (1, dim, total_len); cu_seqlens: (num_seqs + 1,) int32/int64 with num_seqs >= 1;
+    initial_states: (num_seqs, dim, state_len) with state_len >= width - 1."""
+    fn = "causal_conv1d_varlen_fn"
+    _check_conv_inputs(fn, x, weight, bias, activation)
+    check_shape(fn, "x", x, (1, None, None), "(1, dim, total_len)")  # packed along seqlen
+    check_tensor("cu_seqlens", cu_seqlens, (1,), dtypes=_INDEX_DTYPES, device=x.device)
+    num_seqs = cu_seqlens.shape[0] - 1
+    if num_seqs < 1:
+        raise ValueError(
+            f"{fn}: cu_seqlens must have shape (num_seqs + 1,) with num_seqs >= 1, "
+            f"got {tuple(cu_seqlens.shape)}"
+        )
+    if not torch.compiler.is_compiling() and cu_seqlens.device.type == "cpu":
+        check_cu_seqlens_values(cu_seqlens, x.shape[-1])  # reading a CPU tensor is no sync
+    if initial_states is not None:
+        check_tensor("initial_states", initial_states, (3,), device=x.device)
+        labels = "(num_seqs, dim, state_len)"
+        check_shape(fn, "initial_states", initial_states, (num_seqs, x.shape[1], None), labels)
+        if initial_states.shape[-1] < weight.shape[1] - 1:
+            raise ValueError(
+                f"{fn}: initial_states must hold state_len >= width - 1 = {weight.shape[1] - 1} "
+                f"inputs, got shape {tuple(initial_states.shape)}"
+            )
+
+
+def causal_conv1d_varlen_fn(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    cu_seqlens: Tensor,
+    initial_states: Tensor | None = None,
+    return_final_states: bool = False,
+    activation: str | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Causal depthwise conv1d of sequences packed along seqlen, each with its own history.
+
+    x: (1, dim, total_len), sequence i being x[..., c_i : c_(i+1)] for cu_seqlens = (c_0 = 0,
+    ..., c_num_seqs = total_len), int32/int64, non-decreasing; weight: (dim, width); bias:
+    (dim,); initial_states: (num_seqs, dim, state_len) with state_len >= width - 1, the inputs
+    before each sequence, oldest first (zeros when None, state_len = width - 1).
+
+    Equal to running each sequence as its own batch row of causal_conv1d_fn from the last
+    width - 1 columns of its initial states. Returns out (1, dim, total_len) in x's dtype, and
+    with return_final_states also the last state_len inputs of each sequence (num_seqs, dim,
+    state_len), taken from its initial states where the sequence is shorter: the conv_state
+    that causal_conv1d_update continues from. Differentiable in x, weight, bias and
+    initial_states. No host sync: cu_seqlens's values are only checked for eager CPU tensors.
+    """
+    _check_varlen_inputs(x, weight, bias, cu_seqlens, initial_states, activation)
+    _, dim, seqlen = x.shape
+    width = weight.shape[1]
+    num_seqs = cu_seqlens.shape[0] - 1
+    if initial_states is None:
+        initial_states = x.new_zeros(num_seqs, dim, width - 1)
+    state_len = initial_states.shape[-1]
+    # Every input a tap can read, as columns: the histories one after another, then x.
+    histories = initial_states.to(x.dtype).transpose(0, 1).reshape(dim, num_seqs * state_len)
+    inputs = torch.cat([histories, x[0]], dim=-1)
+    cu = cu_seqlens.long()
+
+    def column(seq: Tensor, rel: Tensor) -> Tensor:
+        """Column of inputs holding position rel of sequence seq (rel < 0: its history)."""
+        in_x = num_seqs * state_len + cu[seq] + rel
+        return torch.where(rel >= 0, in_x, (seq + 1) * state_len + rel)
+
+    positions = torch.arange(seqlen, device=x.device)
+    # bucketize counts the entries of cu_seqlens at or before each token: its sequence + 1.
+    seq = torch.bucketize(positions, cu, right=True) - 1
+    delays = torch.arange(width - 1, -1, -1, device=x.device)[:, None]  # tap k: width - 1 - k
+    taps = inputs.to(weight.dtype)[:, column(seq, positions - cu[seq] - delays)]
+    out = _sum_of_taps(taps.unbind(1), weight, bias, activation)[None].to(x.dtype)
+    if not return_final_states:
+        return out
+    seqs = torch.arange(num_seqs, device=x.device)[:, None]
+    rel = (cu[1:] - cu[:-1])[:, None] - state_len + torch.arange(state_len, device=x.device)
+    final_states = inputs[:, column(seqs, rel)].transpose(0, 1)  # (num_seqs, dim, state_len)
     return out, final_states
 
 

@@ -5,8 +5,10 @@ backbone.layers.{i}.norm / .mixer, backbone.norm_f, lm_head), so its checkpoints
 models with RMSNorm and no MLP load with ``strict=True``.
 
 Decoding keeps a cache: one (conv_state, ssm_state) pair per layer (see ``Mamba``). ``prefill``
-runs a prompt and returns the cache it ends in; ``step`` maps (token, cache) to (logits, new
-cache) without touching its inputs, so it exports with the cache as plain inputs and outputs.
+runs a prompt, or the next chunk of one from a given cache, and returns the cache it ends in;
+``step`` maps (token, cache) to (logits, new cache) without touching its inputs, so it exports
+with the cache as plain inputs and outputs. ``forward`` and ``prefill`` also take documents
+packed along seqlen (``cu_seqlens``), each starting afresh.
 """
 
 from __future__ import annotations
@@ -145,9 +147,20 @@ class MambaLMHeadModel(nn.Module):
             if name.endswith("mixer.out_proj"):
                 module.weight /= math.sqrt(n_layer)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        """input_ids (batch, seqlen) -> logits (batch, seqlen, vocab)."""
-        return self.lm_head(self.backbone(input_ids))
+    def forward(self, input_ids: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+        """input_ids (batch, seqlen) -> logits (batch, seqlen, vocab).
+
+        cu_seqlens: (num_docs + 1,) int32/int64, documents packed along seqlen (batch must be
+        1): every layer restarts at each boundary, so each document's logits are those of its
+        own forward.
+        """
+        if cu_seqlens is None:
+            return self.lm_head(self.backbone(input_ids))
+
+        def mix(mixer, hidden_states):
+            return mixer(hidden_states, cu_seqlens=cu_seqlens)
+
+        return self.lm_head(self.backbone(input_ids, mix))
 
     def allocate_inference_cache(
         self, batch_size: int, max_seqlen: int = 0, dtype: torch.dtype | None = None
@@ -158,17 +171,34 @@ class MambaLMHeadModel(nn.Module):
             for layer in self.backbone.layers
         ]
 
-    def prefill(self, input_ids: Tensor) -> tuple[Tensor, Cache]:
+    def prefill(
+        self, input_ids: Tensor, cache: Cache | None = None, cu_seqlens: Tensor | None = None
+    ) -> tuple[Tensor, Cache]:
         """input_ids (batch, seqlen) -> (logits (batch, seqlen, vocab), the cache after the
-        last token)."""
-        cache = []
+        last token).
+
+        cache: the cache to continue from (zeros when None), so that a long prompt can be
+        prefilled in chunks; it is left unchanged. cu_seqlens: (num_docs + 1,), prompts packed
+        along seqlen (batch 1); the cache then has one row per prompt, as for a batch of
+        num_docs rows, and ``step`` continues every prompt at once.
+        """
+        if cache is not None and len(cache) != len(self.backbone.layers):
+            raise ValueError(
+                f"MambaLMHeadModel.prefill: cache must hold one (conv_state, ssm_state) pair per "
+                f"layer, {len(self.backbone.layers)}, got {len(cache)}"
+            )
+        new_cache = []
 
         def mix(mixer, hidden_states):
-            out, conv_state, ssm_state = mixer.prefill(hidden_states)
-            cache.append((conv_state, ssm_state))
+            initial_states = None if cache is None else cache[mixer.layer_idx]
+            out, states = mixer(
+                hidden_states, cu_seqlens=cu_seqlens, initial_states=initial_states,
+                return_final_states=True,
+            )  # fmt: skip
+            new_cache.append(states)
             return out
 
-        return self.lm_head(self.backbone(input_ids, mix)), cache
+        return self.lm_head(self.backbone(input_ids, mix)), new_cache
 
     def step(self, input_ids: Tensor, cache: Cache) -> tuple[Tensor, Cache]:
         """One token per row: input_ids (batch, 1) and a cache -> (logits (batch, 1, vocab),

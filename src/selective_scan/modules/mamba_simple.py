@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..conv import causal_conv1d_fn, causal_conv1d_update
+from .._checks import check_shape, check_tensor
+from ..conv import causal_conv1d_fn, causal_conv1d_update, causal_conv1d_varlen_fn
 from ..interface import selective_scan_fn
 from ..mamba_inner import mamba_inner_fn
 from ..state_update import selective_state_update
@@ -26,14 +27,17 @@ class Mamba(nn.Module):
     delta <- dt_proj(dt); y <- selective_scan(x, delta, A = -exp(A_log), B, C, D, z);
     out_proj(y). d_inner = expand * d_model, dt_rank = ceil(d_model / 16) when "auto".
 
-    Decoding: ``allocate_inference_cache`` gives (conv_state (batch, d_inner, d_conv),
-    ssm_state (batch, d_inner, d_state)); ``prefill`` runs a prompt and returns the states it
-    ends in; ``step`` advances one token, updating the states in place. ``forward`` also takes
-    mamba_ssm's ``inference_params`` (an object with ``key_value_memory_dict`` and
-    ``seqlen_offset``; the layer needs a ``layer_idx``).
+    States: conv_state (rows, d_inner, d_conv), the last d_conv inputs of the conv (oldest
+    first, zeros before the start), and ssm_state (rows, d_inner, d_state), one row per batch row
+    or, for packed input, per sequence. ``forward`` takes packed sequences (``cu_seqlens``),
+    starts from given states (``initial_states``) and returns the states it ends in
+    (``return_final_states``): running chunks one after another, carrying the states, equals one
+    forward over the whole sequence (chunked prefill, truncated backpropagation through time).
 
-    Not supported in forward: packed sequences (cu_seqlens) and starting from given states
-    (initial_state); selective_scan_fn takes both, for layers that need them.
+    Decoding: ``allocate_inference_cache`` gives zero states; ``prefill`` runs a prompt and
+    returns the states it ends in; ``step`` advances one token, updating the states in place.
+    ``forward`` also takes mamba_ssm's ``inference_params`` (an object with
+    ``key_value_memory_dict`` and ``seqlen_offset``; the layer needs a ``layer_idx``).
     """
 
     def __init__(
@@ -112,18 +116,40 @@ class Mamba(nn.Module):
     def _A(self) -> Tensor:
         return -torch.exp(self.A_log.float())
 
-    def forward(self, hidden_states: Tensor, inference_params=None) -> Tensor:
-        """hidden_states: (batch, seqlen, d_model) -> (batch, seqlen, d_model)."""
+    def forward(
+        self,
+        hidden_states: Tensor,
+        inference_params=None,
+        *,
+        cu_seqlens: Tensor | None = None,
+        initial_states: tuple[Tensor, Tensor] | None = None,
+        return_final_states: bool = False,
+    ) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
+        """hidden_states: (batch, seqlen, d_model) -> (batch, seqlen, d_model).
+
+        cu_seqlens: (num_seqs + 1,) int32/int64, sequences packed along seqlen (batch must be
+        1), 0 = c_0 <= ... <= c_num_seqs = seqlen: the conv and the scan restart at each
+        boundary. initial_states: (conv_state, ssm_state) to continue from (see the class
+        docstring), one row per batch row or per packed sequence; zeros when None. With
+        return_final_states, returns (out, (conv_state, ssm_state)), the states after each
+        row's or sequence's last token in allocate_inference_cache's dtypes. Gradients flow
+        into initial_states and out of the final states.
+        """
         if inference_params is not None:
-            conv_state, ssm_state = self._states_from_cache(inference_params, hidden_states)
-            if inference_params.seqlen_offset > 0:
-                return self.step(hidden_states, conv_state, ssm_state)[0]
-            out, new_conv_state, new_ssm_state = self.prefill(hidden_states)
-            conv_state.copy_(new_conv_state)
-            ssm_state.copy_(new_ssm_state)
-            return out
-        if not self.use_fast_path:
-            return self.prefill(hidden_states)[0]
+            if cu_seqlens is not None or initial_states is not None or return_final_states:
+                raise ValueError(
+                    "Mamba.forward: inference_params keeps the states in its own cache; it "
+                    "cannot be combined with cu_seqlens, initial_states or return_final_states"
+                )
+            return self._forward_with_cache(hidden_states, inference_params)
+        plain = cu_seqlens is None and initial_states is None and not return_final_states
+        if plain and self.use_fast_path:
+            return self._fast_forward(hidden_states)
+        out, final_states = self._forward_with_states(hidden_states, cu_seqlens, initial_states)
+        return (out, final_states) if return_final_states else out
+
+    def _fast_forward(self, hidden_states: Tensor) -> Tensor:
+        """One mamba_inner_fn call, which recomputes the conv in the backward (no states)."""
         return mamba_inner_fn(
             self.in_proj(hidden_states).transpose(1, 2),
             self.conv1d.weight,
@@ -140,21 +166,40 @@ class Mamba(nn.Module):
             delta_softplus=True,
         )
 
+    def _forward_with_cache(self, hidden_states: Tensor, inference_params) -> Tensor:
+        """mamba_ssm's protocol: prefill at seqlen_offset 0, then one step per call."""
+        conv_state, ssm_state = self._states_from_cache(inference_params, hidden_states)
+        if inference_params.seqlen_offset > 0:
+            return self.step(hidden_states, conv_state, ssm_state)[0]
+        out, new_conv_state, new_ssm_state = self.prefill(hidden_states)
+        conv_state.copy_(new_conv_state)
+        ssm_state.copy_(new_ssm_state)
+        return out
+
     def prefill(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Run a sequence with separate conv and scan ops and return the states it ends in.
+        """Run a prompt from zero states and return the states it ends in.
 
         hidden_states: (batch, seqlen, d_model) -> (out (batch, seqlen, d_model),
         conv_state (batch, d_inner, d_conv), ssm_state (batch, d_inner, d_state)), the states
         in allocate_inference_cache's dtypes.
         """
+        out, (conv_state, ssm_state) = self._forward_with_states(hidden_states, None, None)
+        return out, conv_state, ssm_state
+
+    def _forward_with_states(
+        self,
+        hidden_states: Tensor,
+        cu_seqlens: Tensor | None,
+        initial_states: tuple[Tensor, Tensor] | None,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """The conv and the scan as separate ops, from given states (zeros when None)."""
+        conv_state, ssm_state = self._initial_states(hidden_states, cu_seqlens, initial_states)
         x, z = self.in_proj(hidden_states).transpose(1, 2).chunk(2, dim=1)
-        # The last d_conv inputs of the conv, zeros before the sequence start.
-        conv_state = F.pad(x, (self.d_conv, 0))[..., -self.d_conv :]
-        x = causal_conv1d_fn(x, self._conv_weight(), self.conv1d.bias, activation=self.activation)
+        x, conv_state = self._conv(x, conv_state, cu_seqlens)
         dt, B, C = self.x_proj(x.transpose(1, 2)).split(
             [self.dt_rank, self.d_state, self.d_state], dim=-1
         )
-        y, last_state = selective_scan_fn(
+        y, ssm_state = selective_scan_fn(
             x,
             F.linear(dt, self.dt_proj.weight).transpose(1, 2),
             self._A(),
@@ -165,13 +210,72 @@ class Mamba(nn.Module):
             self.dt_proj.bias.float(),
             delta_softplus=True,
             return_last_state=True,
+            initial_state=ssm_state,
+            cu_seqlens=cu_seqlens,
         )
         out = self.out_proj(y.transpose(1, 2))
-        return (
-            out,
+        final_states = (
             conv_state.to(self.conv1d.weight.dtype),
-            last_state.to(self.dt_proj.weight.dtype),
+            ssm_state.to(self.dt_proj.weight.dtype),
         )
+        return out, final_states
+
+    def _conv(
+        self, x: Tensor, conv_state: Tensor, cu_seqlens: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """x: (batch, d_inner, seqlen) after conv_state (rows, d_inner, d_conv) ->
+        (silu(conv1d(x)), the conv_state after x)."""
+        weight, bias = self._conv_weight(), self.conv1d.bias
+        if cu_seqlens is not None:
+            return causal_conv1d_varlen_fn(
+                x, weight, bias, cu_seqlens=cu_seqlens, initial_states=conv_state,
+                return_final_states=True, activation=self.activation,
+            )  # fmt: skip
+        # The conv reads the last d_conv - 1 inputs before x; the state keeps d_conv of them.
+        out = causal_conv1d_fn(
+            x, weight, bias, initial_states=conv_state[..., 1:], activation=self.activation
+        )
+        x_hist = torch.cat([conv_state.to(x.dtype), x], dim=-1)
+        return out, x_hist[..., x_hist.shape[-1] - self.d_conv :]
+
+    def _initial_states(
+        self,
+        hidden_states: Tensor,
+        cu_seqlens: Tensor | None,
+        initial_states: tuple[Tensor, Tensor] | None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Check the arguments of forward; returns (conv_state, ssm_state), a zero conv_state
+        and no ssm_state (the scan starts from zeros) when initial_states is None."""
+        fn = "Mamba.forward"
+        check_tensor("hidden_states", hidden_states, (3,))
+        rows, rows_label = hidden_states.shape[0], "batch"
+        if cu_seqlens is not None:
+            if hidden_states.shape[0] != 1:
+                raise ValueError(
+                    f"{fn}: with cu_seqlens the sequences are packed along seqlen and "
+                    "hidden_states must have shape (1, total_len, d_model), got "
+                    f"{tuple(hidden_states.shape)}"
+                )
+            check_tensor("cu_seqlens", cu_seqlens, (1,), dtypes=(torch.int32, torch.int64))
+            rows, rows_label = cu_seqlens.shape[0] - 1, "num_seqs"
+        if initial_states is None:
+            conv_state = hidden_states.new_zeros(rows, self.d_inner, self.d_conv)
+            return conv_state, None
+        if not isinstance(initial_states, tuple | list) or len(initial_states) != 2:
+            raise TypeError(
+                f"{fn}: initial_states must be a pair (conv_state, ssm_state), got "
+                f"{type(initial_states).__name__}"
+            )
+        conv_state, ssm_state = initial_states
+        for name, state, size, size_label in (
+            ("conv_state", conv_state, self.d_conv, "d_conv"),
+            ("ssm_state", ssm_state, self.d_state, "d_state"),
+        ):
+            check_tensor(name, state, (3,))
+            shape_label = f"({rows_label}, d_inner, {size_label})"
+            expected = (rows, self.d_inner, size)
+            check_shape(fn, f"initial_states' {name}", state, expected, shape_label)
+        return conv_state, ssm_state
 
     def step(
         self, hidden_states: Tensor, conv_state: Tensor, ssm_state: Tensor
