@@ -4,7 +4,8 @@
 
 For every shape: forward and backward kernel time (median of triton.testing.do_bench after
 warm-up; inputs rotated so that they never sit in L2), the fraction of the physical floor
-reached, peak memory of forward + backward, and the anchor ratios. Also: eager call vs
+reached, peak memory of forward + backward, and the anchor ratios; the GPU time of the calls'
+kernels alone (profiler), and the forward through torch.compile. Also: eager call vs
 torch.compile vs CUDA-graph replay for the small shape, first-call compile time, determinism of
 the backward, and time vs seqlen for the plot. Writes <out>/h200.json and prints a table.
 """
@@ -76,6 +77,24 @@ def fwd_op(x: dict):
     return OPS.scan_fwd_triton(*[x[k] for k in FWD_ARGS])
 
 
+# One compiled forward for every shape: dynamic sizes, so only dtype/option changes recompile.
+fwd_compiled = torch.compile(fwd_op, dynamic=True, fullgraph=True)
+
+
+def kernel_ms(fn, calls: int = 5) -> float:
+    """GPU time per call summed over all kernels it launches (torch.profiler), without the
+    host's share: what a CUDA-graph replay of the call would cost, launch gaps aside."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.device_time_total for e in prof.key_averages()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)  # fmt: skip
+    return total_us / calls / 1e3
+
+
 def bench_shape(shape: str, seqlen=None) -> dict:
     dtype = SHAPES[shape][-1]
     sets = input_sets(shape, seqlen=seqlen)
@@ -93,6 +112,11 @@ def bench_shape(shape: str, seqlen=None) -> dict:
     bwd_ms = time_rotating(bwd, len(sets))
     result = {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms}
     if seqlen is None:
+        result.update(
+            fwd_kernel_ms=kernel_ms(lambda: fwd_op(sets[0])),
+            bwd_kernel_ms=kernel_ms(lambda: bwd(0)),
+            fwd_compiled_ms=time_rotating(lambda i: fwd_compiled(sets[i]), len(sets)),
+        )
         floor_f, floor_b = floors_ms(shape, dtype)
         anchor_f, anchor_b = ANCHORS_MS[shape]
         result.update(
@@ -223,6 +247,10 @@ def main() -> None:
         if "error" in r:
             print(shape, r["error"][:100])
             continue
+        print(
+            f"{shape:6} kernels only: fwd {r['fwd_kernel_ms']:.4f} ms, bwd {r['bwd_kernel_ms']:.4f}"
+            f" ms; compiled fwd {r['fwd_compiled_ms']:.4f} ms"
+        )
         print(
             f"{shape:6} {r['fwd_ms']:8.4f} {r['anchor_fwd_ms']:8.4f} {r['fwd_speedup']:5.2f} "
             f"{100 * r['fwd_floor_fraction']:6.1f}% | {r['bwd_ms']:8.4f} "

@@ -1,0 +1,78 @@
+"""Where the host time of an eager scan call goes (GPU): per-call host time of the launchers
+and of the public function, and a cProfile of the forward launcher by function.
+
+    python bench/host_profile.py [--shape S6] [--calls 200] [--top 25]
+
+Host time = wall time of back-to-back calls without synchronization, per call, after warm-up
+(the kernels of these shapes are shorter than their launches, so the GPU waits on the host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import make_bench_inputs
+
+from selective_scan import selective_scan_fn
+from selective_scan.kernels import scan
+
+FWD_ARGS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
+
+
+def host_us(fn, calls: int) -> float:
+    """Median over 5 rounds of the host time per call, in microseconds."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return sorted(rounds)[2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="S6")
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    x = make_bench_inputs(args.shape)
+    inputs = [x[k] for k in FWD_ARGS]
+    out, _, ckpt = scan.scan_fwd(*inputs, True)
+    dout = torch.randn_like(out)
+    public = {k: x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")}
+    calls = {
+        "scan_fwd launcher": lambda: scan.scan_fwd(*inputs, True),
+        "scan_bwd launcher": lambda: scan.scan_bwd(dout, None, *inputs, ckpt, True),
+        "scan_fwd_triton op": lambda: torch.ops.selective_scan.scan_fwd_triton(*inputs, True),
+        "selective_scan_fn (no grad)": lambda: selective_scan_fn(**public, delta_softplus=True),
+        "empty CUDA tensor": lambda: torch.empty(16, device="cuda"),
+    }
+    for name, fn in calls.items():
+        print(f"{args.shape} {name:30s} {host_us(fn, args.calls):9.1f} us host per call")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.calls):
+        scan.scan_fwd(*inputs, True)
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
+    print(text.getvalue())
+
+
+if __name__ == "__main__":
+    main()
