@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import TRITON_RUNS
 from helpers import float_inputs, make_inputs, oracle, rel_err
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from selective_scan import selective_scan_fn
 from selective_scan.kernels import scan
@@ -83,6 +84,17 @@ def test_blocked_bc_layout():
         for n in (0, 4, 7):
             want = B[1, 2, n, t].float() if t < 21 and n < 5 else torch.tensor(0.0)
             assert blocks[1, 2, t // 4, n, t % 4] == want
+
+
+def test_blocked_bc_adds_no_guard_for_symbolic_seqlen():
+    """With a symbolic seqlen (torch.export, compile(dynamic=True)), blocking B/C guards on
+    nothing: a size-1 tile dimension used to add `ceil(seqlen / T) != 1`, which an export with a
+    dynamic seqlen as short as T steps violates (seen exporting the LM on the GPU)."""
+    traced = make_fx(lambda B: scan.bc_blocks(B, 4, 8, torch.float32), tracing_mode="symbolic")
+    graph = traced(torch.randn(2, 4, 37))
+    shape_env = next(iter(graph.graph.nodes)).meta["val"].fake_mode.shape_env
+    assert [str(g.expr) for g in shape_env.guards] == []
+    assert scan.bc_blocks(torch.randn(1, 4, 3), 4, 8, torch.float32).shape == (1, 1, 2, 8, 4)
 
 
 def test_ranges_only_for_idle_gpus():

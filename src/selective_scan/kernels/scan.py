@@ -44,14 +44,21 @@ def _tl_dtype(dtype: torch.dtype):
     return triton.language.float64 if dtype == torch.float64 else triton.language.float32
 
 
+def bc_tiles(seqlen, T: int):
+    """Time tiles of pre-blocked B/C: ceil(seqlen / T), at least 2, so that no blocked
+    dimension has size 1 (under torch.export a symbolic size-1 dimension in bc_blocks' views
+    becomes a guard `tiles != 1` that short dynamic seqlens violate)."""
+    return _sym_max(cdiv(seqlen, T), 2)
+
+
 def bc_blocks(t: Tensor, T: int, NP: int, dtype: torch.dtype) -> Tensor:
     """Variable B or C (batch, [groups,] dstate, seqlen), any strides -> contiguous
-    (batch, groups, ceil(seqlen / T), NP, T) in dtype, zero-padded in time and states: every
+    (batch, groups, bc_tiles(seqlen, T), NP, T) in dtype, zero-padded in time and states: every
     (tile, state) row is T contiguous values the kernels load without masks or conversion.
     Costs one pass over B (batch * groups * dstate * seqlen elements, small next to u)."""
     t4 = t if t.dim() == 4 else t.unsqueeze(1)
     batch, groups, dstate, seqlen = t4.shape
-    tiles = (seqlen + T - 1) // T
+    tiles = bc_tiles(seqlen, T)
     padded = torch.nn.functional.pad(t4, (0, tiles * T - seqlen, 0, NP - dstate))
     blocks = t.new_empty((batch, groups, tiles, NP, T), dtype=dtype)
     blocks.copy_(padded.view(batch, groups, NP, tiles, T).transpose(2, 3))
@@ -159,7 +166,7 @@ class _Plan:
         self.args = (
             dim, seqlen, range_len, self.n_ranges,
             *u.stride(), *delta.stride(), *_strides3(z), *A.stride(),
-            cdiv(seqlen, cfg["T"]), *_bc_args(B, dim), *_bc_args(C, dim),
+            bc_tiles(seqlen, cfg["T"]), *_bc_args(B, dim), *_bc_args(C, dim),
             0 if D is None else D.stride(0), 0 if delta_bias is None else delta_bias.stride(0),
             *_strides3(initial_state),
         )  # fmt: skip
