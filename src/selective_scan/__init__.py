@@ -2,11 +2,12 @@
 
 mamba_ssm-compatible entry points: selective_scan_fn, selective_scan_ref, mamba_inner_fn,
 selective_state_update, the Mamba layer and a small LM; causal_conv1d_fn/update with the
-causal-conv1d package's signatures. ``selective_scan.hf.patch_transformers()`` routes Hugging
+causal-conv1d package's signatures (and causal_conv1d_varlen_fn for packed sequences).
+``selective_scan.hf.patch_transformers()`` routes Hugging
 Face transformers' Mamba fast path to these functions.
 """
 
-from .conv import causal_conv1d_fn, causal_conv1d_update
+from .conv import causal_conv1d_fn, causal_conv1d_update, causal_conv1d_varlen_fn
 from .interface import selective_scan_fn
 from .mamba_inner import mamba_inner_fn
 from .models import MambaLMHeadModel
@@ -19,6 +20,7 @@ __all__ = [
     "MambaLMHeadModel",
     "causal_conv1d_fn",
     "causal_conv1d_update",
+    "causal_conv1d_varlen_fn",
     "mamba_inner_fn",
     "selective_scan_fn",
     "selective_scan_ref",
