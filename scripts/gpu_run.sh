@@ -32,12 +32,12 @@ stage() {
 { nvidia-smi; python3 -c "import torch, triton, platform; print('torch', torch.__version__, 'triton', triton.__version__, 'python', platform.python_version(), torch.cuda.get_device_name())"; } > "$LOG" 2>&1
 tail -1 "$LOG"
 
-# Real kernels: the decode step's operator checks first (never run on a GPU before), then the
-# GPU-only tests, the interpreter cases, and the option grids on CUDA tensors with both
-# backends. (test_export and test_demo load AOTInductor packages, which crashes on the lent
-# machine's image: bench/NOTES.md; scripts/aoti_probe.py records why.)
+# Real kernels: the decode step's operator checks first, the model path on CUDA (not run on a
+# GPU yet when written), then the GPU-only tests, the interpreter cases, and the option grids on
+# CUDA tensors with both backends. (test_export and test_demo load AOTInductor packages, which
+# crashes on the lent machine's image: bench/NOTES.md; scripts/aoti_probe.py records why.)
 STEP_TESTS="tests/test_state_update.py::test_opcheck tests/test_state_update.py::test_compile_fullgraph_matches_eager tests/test_state_update.py::test_triton_kernel_matches_oracle tests/test_state_update.py::test_triton_eager_plans_by_layout"
-TESTS="${TESTS:-$STEP_TESTS tests/test_gpu.py tests/test_triton_interpreter.py tests/test_scan.py tests/test_state_varlen.py tests/test_ops.py tests/test_compile.py}"
+TESTS="${TESTS:-$STEP_TESTS tests/test_gpu_models.py tests/test_gpu.py tests/test_triton_interpreter.py tests/test_scan.py tests/test_state_varlen.py tests/test_ops.py tests/test_compile.py}"
 # TESTS and the *_ARGS variables are word lists: left unquoted on purpose.
 stage tests "${TEST_TIMEOUT:-150}" 25 python3 -m pytest -q --maxfail=20 -p no:cacheprovider $TESTS "$@"
 stage bench "${BENCH_TIMEOUT:-180}" 12 python3 bench/gpu_bench.py --out "$OUT" ${BENCH_ARGS:-}

@@ -95,6 +95,13 @@ def assert_same_with_grads(actual: list, expected: list, leaves: dict, tol: floa
         assert_close(f"grad of {name}", grad, exp, tol)
 
 
+def assert_cache_close(cache: list, expected_cache: list, tol: float) -> None:
+    """Each layer's (conv_state, ssm_state) close to the expected cache's."""
+    for i, (states, expected_states) in enumerate(zip(cache, expected_cache, strict=True)):
+        for name, state, expected in zip(("conv", "ssm"), states, expected_states, strict=True):
+            assert_close(f"layer {i} {name}_state", state, expected, tol)
+
+
 def cu_seqlens_of(lengths: list[int]) -> torch.Tensor:
     """(len(lengths) + 1,) int32: 0, then the running sums of the sequence lengths."""
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)

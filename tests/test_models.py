@@ -9,7 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import assert_close
-from model_helpers import compile_fullgraph, cu_seqlens_of, hermetic_compile, train
+from model_helpers import (
+    assert_cache_close,
+    compile_fullgraph,
+    cu_seqlens_of,
+    hermetic_compile,
+    train,
+)
 
 from selective_scan.models import MambaLMHeadModel
 
@@ -193,12 +199,6 @@ BATCH = torch.export.Dim("batch", min=2)  # sizes 0 and 1 would specialize
 def exported_prefill(model):
     dims = {0: BATCH, 1: torch.export.Dim("seqlen", min=2)}
     return export(model, "prefill", (tokens(3, 9),), (dims,))
-
-
-def assert_cache_close(cache, expected_cache, tol: float) -> None:
-    for i, (states, expected_states) in enumerate(zip(cache, expected_cache, strict=True)):
-        for name, state, expected in zip(("conv", "ssm"), states, expected_states, strict=True):
-            assert_close(f"layer {i} {name}_state", state, expected, tol)
 
 
 @pytest.mark.parametrize(("batch", "seqlen"), [(2, 2), (4, 70)])
