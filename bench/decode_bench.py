@@ -29,19 +29,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import math
 import os
-import platform
 import statistics
 import time
-import traceback
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from report import environment, guarded
 
 from selective_scan import MambaLMHeadModel, selective_state_update
 from selective_scan.interface import use_triton
@@ -470,14 +468,6 @@ def part_hf(args) -> dict:
 # ---- driver ----------------------------------------------------------------------------------
 
 
-def guarded(fn: Callable, *args) -> dict:
-    """fn(*args), or {"error", "traceback"} if it raises, so that one failure keeps the rest."""
-    try:
-        return fn(*args)
-    except Exception as e:
-        return {"error": repr(e), "traceback": traceback.format_exc()[-3000:]}
-
-
 PARTS = {
     "step": part_step,
     "host": part_host,
@@ -582,17 +572,7 @@ def main() -> None:
     args.dim = args.dim or (64 if args.quick else 5120)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "backend": os.environ.get("SELECTIVE_SCAN_BACKEND", "auto"),
-    }
-    with contextlib.suppress(ImportError):
-        import triton
-
-        results["triton"] = triton.__version__
+    results = environment(args.device)
     for name in args.parts.split(","):
         t0 = time.perf_counter()
         results[name] = guarded(PARTS[name], args)

@@ -28,6 +28,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import guarded
 from shapes import ANCHORS_MS, SHAPES, make_bench_inputs
 
 import selective_scan  # noqa: F401  (registers the ops)
@@ -89,14 +90,6 @@ def _public_fwd(x: dict):
 # returns the raw op's three outputs failed in Inductor on 2026-11-29: KeyError 'op10'); dynamic
 # sizes, so only dtype/option changes recompile.
 fwd_compiled = torch.compile(_public_fwd, dynamic=True, fullgraph=True)
-
-
-def guarded(fn) -> float | str:
-    """fn()'s value, or its error as text: one failed extra keeps the shape's other numbers."""
-    try:
-        return fn()
-    except Exception as e:
-        return repr(e)[:300]
 
 
 def kernel_ms(fn, calls: int = 5) -> float:

@@ -18,18 +18,16 @@ Writes <out>/varlen.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
 import statistics
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from report import environment, guarded
 
 from selective_scan import selective_scan_fn
 
@@ -205,14 +203,6 @@ def run(args) -> dict:
     return result
 
 
-def guarded(fn: Callable, *args) -> dict:
-    """fn(*args), or {"error", "traceback"} if it raises, so that one failure keeps the rest."""
-    try:
-        return fn(*args)
-    except Exception as e:
-        return {"error": repr(e), "traceback": traceback.format_exc()[-3000:]}
-
-
 def print_table(result: dict, config: dict) -> None:
     print(
         f"\n{config['seqs']} sequences, {result['tokens']} tokens (padded: "
@@ -259,11 +249,7 @@ def main() -> None:
     config = {k: getattr(args, k) for k in ("seqs", "shortest", "longest", "dim", "dstate",
                                             "dtype", "seed")}  # fmt: skip
     results = {
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "backend": os.environ.get("SELECTIVE_SCAN_BACKEND", "auto"),
+        **environment(args.device),
         "config": config,
         "method": "do_bench median (warmup 25 ms, rep 400 ms); fwd under no_grad; fwd_bwd: "
         "forward with every float input a leaf, then torch.autograd.grad from a random dout "
