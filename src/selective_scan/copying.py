@@ -57,9 +57,10 @@ class Row:
     ok: bool
 
 
-# Smallest length the exported forward takes. Sizes 0 and 1 specialize everywhere, and the
-# Triton scan launcher cuts the sequence into tiles of 4 (float32) to 8 steps, so a sequence of
-# one tile is another graph (export on CUDA failed on the guard ceil(seqlen / 4) != 1).
+# Smallest length the exported forward takes (every prompt here is longer). Sizes 0 and 1
+# specialize everywhere. Export on CUDA once failed on a guard ceil(seqlen / 4) != 1 from the
+# Triton launcher's B/C blocking; kernels/scan.py's bc_tiles removed it, and 16 keeps a margin
+# until a GPU run confirms that.
 MIN_EXPORT_SEQLEN = 16
 
 
