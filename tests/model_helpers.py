@@ -160,3 +160,24 @@ def train(model, loss_fn, inputs, steps: int = 2) -> list[torch.Tensor]:
         optimizer.zero_grad()
         losses.append(loss.detach())
     return losses
+
+
+def assert_packed_prefill_then_steps_match(
+    model, docs: list[torch.Tensor], prompt_lengths: list[int], cu_seqlens: torch.Tensor, tol: float
+) -> None:
+    """The prompts (the first prompt_lengths[i] tokens of docs[i], each (1, length)) packed into
+    one prefill, then one batched step per remaining token: every document's logits equal its
+    own forward's. All docs are prompt + the same number of new tokens; cu_seqlens packs the
+    prompts."""
+    new_tokens = docs[0].shape[1] - prompt_lengths[0]
+    expected = [model(doc) for doc in docs]
+    prompts = torch.cat([doc[:, :n] for doc, n in zip(docs, prompt_lengths, strict=True)], 1)
+    logits, cache = model.prefill(prompts, cu_seqlens=cu_seqlens)
+    prompt_logits = [exp[:, :n] for exp, n in zip(expected, prompt_lengths, strict=True)]
+    assert_close("prefill logits", logits, torch.cat(prompt_logits, dim=1), tol)
+    for step in range(new_tokens):
+        at = [n + step for n in prompt_lengths]  # each document's next position
+        next_ids = torch.cat([doc[:, t : t + 1] for doc, t in zip(docs, at, strict=True)])
+        logits, cache = model.step(next_ids, cache)
+        step_logits = [exp[:, t : t + 1] for exp, t in zip(expected, at, strict=True)]
+        assert_close(f"logits of step {step}", logits, torch.cat(step_logits), tol)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from helpers import assert_close
 from model_helpers import (
     assert_cache_close,
+    assert_packed_prefill_then_steps_match,
     compile_fullgraph,
     cu_seqlens_of,
     hermetic_compile,
@@ -113,17 +114,9 @@ def test_packed_prefill_then_batch_steps_match_each_document(model):
     """Prompts packed into one prefill; the cache then holds one row per prompt."""
     prompt_lengths, new_tokens = [3, 1, 5], 2
     docs = [tokens(1, n + new_tokens, seed=10 + n) for n in prompt_lengths]
-    expected = [model(doc) for doc in docs]
-    prompts = torch.cat([doc[:, :n] for doc, n in zip(docs, prompt_lengths, strict=True)], 1)
-    logits, cache = model.prefill(prompts, cu_seqlens=cu_seqlens_of(prompt_lengths))
-    prompt_logits = [exp[:, :n] for exp, n in zip(expected, prompt_lengths, strict=True)]
-    assert_close("prefill logits", logits, torch.cat(prompt_logits, dim=1), 1e-5)
-    for step in range(new_tokens):
-        at = [n + step for n in prompt_lengths]  # each document's next position
-        next_ids = torch.cat([doc[:, t : t + 1] for doc, t in zip(docs, at, strict=True)])
-        logits, cache = model.step(next_ids, cache)
-        step_logits = [exp[:, t : t + 1] for exp, t in zip(expected, at, strict=True)]
-        assert_close(f"logits of step {step}", logits, torch.cat(step_logits), 1e-5)
+    assert_packed_prefill_then_steps_match(
+        model, docs, prompt_lengths, cu_seqlens_of(prompt_lengths), 1e-5
+    )
 
 
 def test_prefill_rejects_a_cache_of_another_depth(model):
