@@ -12,15 +12,13 @@ Parts, each recorded on its own (a failing part records its error, the others st
   bytes that must move (state read and written in fp32; x, dt, z, B, C read, out written; A, D,
   dt_bias not counted, as the anchors count) over that time, and its fraction of a
   device-to-device copy measured in this run; error against a float64 step.
-* host: one eager call: host time (back-to-back calls, no sync) and synchronized time; and where
-  the host time goes: our Python before Triton's launch (kernel replaced by a no-op) and
-  Triton's launch alone from a ready plan.
+* host: one eager call: host time (back-to-back calls, no sync) and synchronized time; the
+  direct launch it makes (kernels/launch.py) alone, against Triton's own launch of the same
+  kernel, both from a ready plan.
 * model: MambaLMHeadModel (bf16) one token per step: latency eager vs the step captured in a
   CUDA graph, and whether the graph's logits equal eager's over a teacher-forced sequence.
 * hf: a tiny random transformers MambaForCausalLM, greedy ``generate`` with and without
   ``selective_scan.hf.patch_transformers()``: same tokens?
-* probe (last): host time of a direct launch of the compiled kernel with pre-bound arguments,
-  what skipping Triton's per-call binding would save (Triton internals, measurement only).
 
 Writes <out>/decode.json after every part and prints a table at the end.
 """
@@ -230,73 +228,41 @@ def part_step(args) -> dict:
 # ---- host time of an eager call -------------------------------------------------------------
 
 
-class _NoLaunch:
-    """Stands in for the Triton kernel: ``kernel[grid](...)`` does nothing."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
 def ready_launch(inputs: dict) -> tuple:
-    """(jitted kernel, grid, positional arguments with out, options) of a Triton launch of
-    the step on inputs, from the launcher's own plan."""
+    """(jitted kernel, grid, tensors with out, integer arguments, options) of a launch of the
+    step on inputs, from the launcher's own plan."""
     from selective_scan.kernels import state_update as kernel_module
 
     tensors = tuple(inputs.values())[:-1]  # step_inputs' order is the kernel's
     grid, ints, options = kernel_module._plan(*tensors, inputs["dt_softplus"])
     out = torch.empty_like(inputs["x"])
-    return kernel_module._state_update_kernel, grid, (*tensors, out, *ints), options
+    return kernel_module._state_update_kernel, grid, (*tensors, out), ints, options
 
 
 def launch_breakdown(inputs: dict, device: str, rounds: int) -> dict:
-    """Host us of our Python before Triton's launch (the kernel replaced by a no-op), and of
-    Triton's launch alone from a ready plan."""
-    from selective_scan.kernels import state_update as kernel_module
+    """Host us of the direct launch that eager calls make (kernels/launch.py) and, for
+    comparison, of Triton's own launch of the same kernel (argument binding, cache lookup);
+    both from a ready plan. Whether the direct launch gives Triton's result is checked too."""
+    from selective_scan.kernels.launch import Launcher
 
-    jit, grid, args, options = ready_launch(inputs)
-    kernel_module._state_update_kernel = _NoLaunch()
-    try:
-        ours = back_to_back_us(lambda: selective_state_update(**inputs), device, rounds=rounds)
-    finally:
-        kernel_module._state_update_kernel = jit
-    return {
-        "python_before_launch_us": ours,
-        "triton_launch_us": back_to_back_us(
-            lambda: jit[grid](*args, **options), device, rounds=rounds
-        ),
-    }
-
-
-def direct_launch_probe(inputs: dict, rounds: int) -> dict:
-    """Host us of launching the CompiledKernel directly with pre-bound arguments (no binding,
-    specialization or cache lookup per call), and whether its result equals a normal launch.
-    Reads Triton 3.6 internals (JITFunction.device_caches, CompiledKernel.run)."""
-    from triton import knobs
-    from triton.runtime import driver
-
-    jit, grid, args, options = ready_launch(inputs)
-    compiled = jit[grid](*args, **options)  # a launch that returns the compiled kernel
-    device = driver.active.get_current_device()
-    bind = jit.device_caches[device][4]
-    bound = tuple(bind(*args, **options)[0].values())
-    run = compiled.run  # loads the module on first use, which sets compiled.function
-    stream = driver.active.get_current_stream(device)
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
-
-    def direct():
-        run(*grid, stream, compiled.function, compiled.packed_metadata, None, *hooks, *bound)
-
-    state, out = args[0], args[9]
+    jit, grid, tensors, ints, options = ready_launch(inputs)
+    launcher = Launcher(jit, grid, ints, options)
+    state, out = tensors[0], tensors[-1]
     before = state.clone()
-    jit[grid](*args, **options)
+    jit[grid](*tensors, *ints, **options)
     expected_state, expected_out = state.clone(), out.clone()
-    state.copy_(before)
-    direct()
-    torch.cuda.synchronize()
-    same = torch.equal(state, expected_state) and torch.equal(out, expected_out)
+    same = True
+    for _ in range(2):  # the first call launches through Triton and keeps the kernel
+        state.copy_(before)
+        launcher(*tensors)
+        sync(device)
+        same &= torch.equal(state, expected_state) and torch.equal(out, expected_out)
     return {
-        "direct_compiled_launch_us": back_to_back_us(direct, "cuda", rounds=rounds),
-        "direct_launch_matches": same,
+        "direct_launch_us": back_to_back_us(lambda: launcher(*tensors), device, rounds=rounds),
+        "triton_launch_us": back_to_back_us(
+            lambda: jit[grid](*tensors, *ints, **options), device, rounds=rounds
+        ),
+        "direct_equals_triton": same,
     }
 
 
@@ -325,15 +291,6 @@ def part_host(args) -> dict:
     else:
         result["breakdown"] = {"skipped": "the torch backend runs here: no Triton launch"}
     return result
-
-
-def part_probe(args) -> dict:
-    """The direct launch probe; the last part, as it goes through Triton's internals (a fault
-    there could spoil the CUDA context for whatever ran after it)."""
-    small = step_inputs(args.batches[0], args.dim, args.dstate, args.device)
-    if args.device != "cuda" or not use_triton(small["state"]):
-        return {"skipped": "needs the Triton kernel on CUDA"}
-    return direct_launch_probe(small, 3 if args.quick else 30)
 
 
 # ---- a whole model ---------------------------------------------------------------------------
@@ -473,7 +430,6 @@ PARTS = {
     "host": part_host,
     "model": part_model,
     "hf": part_hf,
-    "probe": part_probe,
 }
 
 
@@ -532,17 +488,12 @@ def print_hf(hf: dict) -> None:
           f"patch_transformers: {hf['same_tokens']} (calls {hf['calls']})")  # fmt: skip
 
 
-def print_probe(probe: dict) -> None:
-    print(f"\ndirect launch probe: {json.dumps(probe)}")
-
-
 def print_table(results: dict) -> None:
     printers = {
         "step": print_step,
         "host": print_host,
         "model": print_model,
         "hf": print_hf,
-        "probe": print_probe,
     }
     for name, printer in printers.items():
         if name not in results:

@@ -46,6 +46,9 @@ stage tests "${TEST_TIMEOUT:-150}" 25 python3 -m pytest -q --maxfail=20 -p no:ca
 stage bench "${BENCH_TIMEOUT:-180}" 12 python3 bench/gpu_bench.py --out "$OUT" ${BENCH_ARGS:-}
 stage decode "${DECODE_TIMEOUT:-100}" 25 python3 bench/decode_bench.py --out "$OUT" ${DECODE_ARGS:-}
 stage varlen "${VARLEN_TIMEOUT:-90}" 10 python3 bench/varlen_bench.py --out "$OUT" ${VARLEN_ARGS:-}
+# Tile sweeps (bench/tune_gpu.py; off by default): e.g. TUNE_TIMEOUT=60 TUNE_ARGS='--shapes S1
+# --configs ;STAGES=2 --which fwd'.
+stage tune "${TUNE_TIMEOUT:-0}" 60 python3 bench/tune_gpu.py ${TUNE_ARGS:-}
 PROBE_DIR="$(mktemp -d)"
 stage probe "${PROBE_TIMEOUT:-40}" 3 python3 scripts/aoti_probe.py --out "$PROBE_DIR" --backtrace
 cp "$PROBE_DIR/aoti_probe.json" "$OUT/" 2>/dev/null

@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.library import wrap_triton
 
 from .._checks import check_cu_seqlens_values, check_scan_inputs, checkpoint_slots, compute_dtype
+from .launch import Launcher, is_plain_eager
 from .scan_bwd import _scan_bwd_kernel
 from .scan_fwd import _scan_fwd_kernel
 
@@ -177,6 +178,9 @@ class _Plan:
             B_VAR=B.dim() > 2, C_VAR=C.dim() > 2, ACC=_tl_dtype(cdt), FAST=_fast_math(u, cdt),
             STAGES=cfg["STAGES"], num_warps=cfg["num_warps"],
         )  # fmt: skip
+        # Direct launchers (launch.py) of eager calls, by the launch's own arguments; None for
+        # plans built while tracing, which launch through wrap_triton.
+        self.launchers: dict[tuple, Launcher] | None = None
 
     def tensors(self, u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens) -> tuple:
         """The kernels' leading tensor arguments: the inputs, variable B/C pre-blocked."""
@@ -214,10 +218,36 @@ def plan(cfg_fn, *inputs) -> _Plan:
     found = _PLANS.get(key)
     if found is None:
         found = _Plan(cfg_fn, *inputs)
+        found.launchers = {}
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = found
     return found
+
+
+def _launch(p: _Plan, kernel, grid: tuple, tensors: tuple, scalars: tuple, flags: dict) -> None:
+    """kernel[grid](*tensors, *p.args, *scalars, **flags, **p.flags): directly for eager calls
+    of a cached plan (launch.py), through wrap_triton when traced. ``scalars`` and ``flags``
+    are what the launch adds to the plan; they pick its launcher."""
+    if p.launchers is None or not is_plain_eager(tensors[:1]):
+        wrap_triton(kernel)[grid](*tensors, *p.args, *scalars, **flags, **p.flags)
+        return
+    key = (kernel, grid, scalars, *flags.values())
+    launcher = p.launchers.get(key)
+    if launcher is None:
+        launcher = Launcher(kernel, grid, (*p.args, *scalars), flags | p.flags)
+        p.launchers[key] = launcher
+    launcher(*tensors)
+
+
+def _range_buffers(u: Tensor, p: _Plan) -> tuple[Tensor, Tensor]:
+    """The local launch's per-range results, states (ranges, sequences, dim, NP) and sum(delta)
+    (ranges, sequences, dim). The range count leads: with it inside, a symbolic count entered
+    the strides, as Max(1, count) in one place and count in another, and Inductor (2.11) then
+    copied the buffer into itself around the kernel (a KeyError in its scheduler, AOTInductor
+    with dynamic shapes)."""
+    h_local = u.new_empty((p.n_ranges, p.num_states, p.dim, p.NP), dtype=p.cdt)
+    return h_local, u.new_empty((p.n_ranges, p.num_states, p.dim), dtype=p.cdt)
 
 
 def scan_fwd(
@@ -242,15 +272,12 @@ def scan_fwd(
     out = u.new_empty(u.shape)
     last = u.new_empty((p.num_states, p.dim, p.dstate), dtype=p.cdt)
     ckpt = u.new_empty((p.batch, p.dim, checkpoint_slots(p.seqlen, CKPT), p.dstate), dtype=p.cdt)
-    h_local = u.new_empty((p.num_states, p.n_ranges, p.dim, p.NP), dtype=p.cdt)
-    dt_sums = u.new_empty((p.num_states, p.n_ranges, p.dim), dtype=p.cdt)
+    h_local, dt_sums = _range_buffers(u, p)
+    tensors = (*p.tensors(*inputs), out, last, ckpt, h_local, dt_sums)
+    strides = (*out.stride()[:2], *ckpt.stride()[:3], *last.stride()[:2])
     for local, grid in p.launches():
-        wrap_triton(_scan_fwd_kernel)[grid](
-            *p.tensors(*inputs), out, last, ckpt, h_local, dt_sums, *p.args,
-            out.stride(0), out.stride(1), ckpt.stride(0), ckpt.stride(1), ckpt.stride(2),
-            last.stride(0), last.stride(1),
-            SOFTPLUS=delta_softplus, LOCAL=local, **p.flags,
-        )  # fmt: skip
+        _launch(p, _scan_fwd_kernel, grid, tensors, strides,
+                dict(SOFTPLUS=delta_softplus, LOCAL=local))  # fmt: skip
     return out, last, ckpt
 
 
@@ -310,20 +337,18 @@ def scan_bwd(
     dD_part = u.new_empty((programs, dim), dtype=cdt)
     dbias_part = u.new_empty((programs, dim), dtype=cdt)
     dh0 = u.new_empty((p.num_states, dim, dstate), dtype=cdt)
-    dh_local = u.new_empty((p.num_states, p.n_ranges, dim, NP), dtype=cdt)
-    dt_sums = u.new_empty((p.num_states, p.n_ranges, dim), dtype=cdt)
+    dh_local, dt_sums = _range_buffers(u, p)
     tiles_per_chunk = CKPT // p.cfg["T"]
     scratch = u.new_empty((programs * p.n_blocks * tiles_per_chunk * p.cfg["BD"] * NP,), dtype=cdt)
     last_strides = (0, 0, 0) if dlast_state is None else dlast_state.stride()
+    tensors = (
+        *p.tensors(*inputs), dout, dlast_state, checkpoints, scratch,
+        du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, dbias_part, dh0, dh_local, dt_sums,
+    )  # fmt: skip
+    scalars = (p.n_blocks, *dout.stride(), *last_strides, *checkpoints.stride()[:3])
     for local, grid in p.launches():
-        wrap_triton(_scan_bwd_kernel)[grid](
-            *p.tensors(*inputs), dout, dlast_state, checkpoints, scratch,
-            du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, dbias_part, dh0,
-            dh_local, dt_sums, *p.args,
-            p.n_blocks, *dout.stride(), *last_strides,
-            checkpoints.stride(0), checkpoints.stride(1), checkpoints.stride(2),
-            SOFTPLUS=delta_softplus, HAS_DLAST=dlast_state is not None, LOCAL=local, **p.flags,
-        )  # fmt: skip
+        flags = dict(SOFTPLUS=delta_softplus, HAS_DLAST=dlast_state is not None, LOCAL=local)
+        _launch(p, _scan_bwd_kernel, grid, tensors, scalars, flags)
 
     def empty():  # one placeholder per absent input: outputs must not alias each other
         return u.new_empty((0,))

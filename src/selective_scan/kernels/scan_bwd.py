@@ -163,7 +163,8 @@ def _scan_bwd_kernel(
     scratch_tile = scratch + (ch64 - blk * BD) * NP + n  # [BD, NS, NI]
 
     dh_carry = tl.zeros([BD, NS, NI], ACC)  # a_{t+1} dh_{t+1} entering the current tile's end
-    range_row = (seq64 * n_ranges) * dim + ch64  # [BD, 1, 1] into (.., ranges, dim)
+    range_row = seq64 * dim + ch64  # [BD, 1, 1] into (ranges, sequences, dim), see scan_fwd.py
+    range_step = tl.num_programs(1).to(tl.int64) * dim
     if not LOCAL:
         if HAS_DLAST:
             dh_carry = tl.load(dlast_ptr + seq64 * s_lb + ch64 * s_ld + n * s_ln, mask=st_ok,
@@ -171,8 +172,8 @@ def _scan_bwd_kernel(
         # Gradient at this range's end: fold in the later ranges' local results, last first.
         for k in range(0, n_ranges - 1 - rng):
             r = n_ranges - 1 - k
-            dtsum = tl.load(dtsum_ptr + range_row + r * dim, mask=row_ok, other=0.0)
-            dh_r = tl.load(dhloc_ptr + (range_row + r * dim) * NP + n, mask=st_ok, other=0.0)
+            dtsum = tl.load(dtsum_ptr + range_row + r * range_step, mask=row_ok, other=0.0)
+            dh_r = tl.load(dhloc_ptr + (range_row + r * range_step) * NP + n, mask=st_ok, other=0.0)
             dh_carry = tl.math.exp2(A2 * dtsum) * dh_carry + dh_r
     dA_acc = tl.zeros([BD, NS, NI], ACC)
     dB_acc = tl.zeros([BD, NS, NI], ACC)  # constant B/C: summed over the sequence
@@ -198,8 +199,8 @@ def _scan_bwd_kernel(
                 c_i = _bc_tile(C_row, t0, i, t_idx, C_const, i_idx, C_VAR, NP, T, ACC)
                 dh = reverse_recurrence(a, dy * c_i, pick(dh_carry, i_idx, i), t_idx, T)
                 dh_carry = put(dh_carry, i_idx, i, pick(a, t_idx, 0) * pick(dh, t_idx, 0))
-        tl.store(dhloc_ptr + (range_row + rng * dim) * NP + n, dh_carry, mask=st_ok)
-        tl.store(dtsum_ptr + range_row + rng * dim, tl.sum(dt_total, axis=2)[:, :, None],
+        tl.store(dhloc_ptr + (range_row + rng * range_step) * NP + n, dh_carry, mask=st_ok)
+        tl.store(dtsum_ptr + range_row + rng * range_step, tl.sum(dt_total, axis=2)[:, :, None],
                  mask=row_ok)  # fmt: skip
         return
 

@@ -69,11 +69,16 @@ def _scan_fwd_kernel(
         h = tl.load(h0_ptr + seq.to(tl.int64) * s_hb + ch64 * s_hd + n * s_hn, mask=st_ok,
                     other=0.0).to(ACC)  # fmt: skip
     # State entering this range: fold in the earlier ranges' local end states, in order.
-    range_row = (seq.to(tl.int64) * n_ranges) * dim + ch64  # [BD, 1, 1] into (.., ranges, dim)
+    # Per-range results are (ranges, sequences, dim[, NP]): no stride depends on the range
+    # count (a symbolic one made Inductor copy these buffers, see kernels/scan.py).
+    range_row = seq.to(tl.int64) * dim + ch64  # [BD, 1, 1]: this block's rows of range 0
+    range_step = tl.num_programs(1).to(tl.int64) * dim
     if not LOCAL:
         for r in range(0, rng):
-            dtsum = tl.load(dtsum_ptr + range_row + r * dim, mask=row_ok, other=0.0)
-            h_r = tl.load(hloc_ptr + (range_row + r * dim) * (NS * NI) + n, mask=st_ok, other=0.0)
+            dtsum = tl.load(dtsum_ptr + range_row + r * range_step, mask=row_ok, other=0.0)
+            h_r = tl.load(
+                hloc_ptr + (range_row + r * range_step) * (NS * NI) + n, mask=st_ok, other=0.0
+            )
             h = tl.math.exp2(A2 * dtsum) * h + h_r
     # B/C: constant (dim, dstate) with strides (s_Bd, s_Bn), or blocks (see bc_blocks) whose
     # offsets are multiples of T by construction, which lets Triton emit aligned vector loads.
@@ -144,8 +149,8 @@ def _scan_fwd_kernel(
                 out *= zz * sigmoid(zz, FAST)
             tl.store(out_row + t64, out.to(out_ptr.dtype.element_ty), mask=m)
     if LOCAL:
-        tl.store(hloc_ptr + (range_row + rng * dim) * (NS * NI) + n, h, mask=st_ok)
-        tl.store(dtsum_ptr + range_row + rng * dim, tl.sum(dt_total, axis=2)[:, :, None],
+        tl.store(hloc_ptr + (range_row + rng * range_step) * (NS * NI) + n, h, mask=st_ok)
+        tl.store(dtsum_ptr + range_row + rng * range_step, tl.sum(dt_total, axis=2)[:, :, None],
                  mask=row_ok)  # fmt: skip
     else:
         last_ok = st_ok & (rng == n_ranges - 1)

@@ -1,0 +1,101 @@
+"""Eager launches of compiled Triton kernels without Triton's per-call argument binding.
+
+``kernel[grid](*args)`` binds every argument, computes the specialization key and looks the
+compiled kernel up on each call: 29 us of host time for the decode step's 40 arguments on the
+H200's host (bench/results/decode.json), several times what the step takes on the GPU. Our
+launch plans are cached per input layout and fix the grid, every non-tensor argument and the
+options, so the compiled kernel differs between calls of one plan only by what Triton
+specializes on the tensors themselves: the 16-byte alignment of their data pointers (dtypes
+are part of the layout). ``Launcher`` keeps the compiled kernel by that alignment and the
+device, and launches it directly.
+
+This reads Triton 3.x internals (``JITFunction.device_caches``, ``CompiledKernel.run``). It
+falls back to Triton's own launch under the interpreter, while a launch hook is set (profilers
+such as proton read launch metadata), and for good if those internals are missing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+try:
+    from triton import knobs
+    from triton.runtime import driver
+except ImportError:  # an older Triton: no direct launches
+    knobs = driver = None
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def is_plain_eager(tensors) -> bool:
+    """Whether launching now is indistinguishable from what tracing would record: no
+    torch.compile, export or dispatch mode is active, and every tensor is a plain one."""
+    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
+        return False
+    return all(t is None or (type(t) in _PLAIN and not is_fake(t)) for t in tensors)
+
+
+class Launcher:
+    """Launches of one kernel with one plan: ``launcher(*tensors)`` runs
+    ``kernel[grid](*tensors, *scalars, **options)``, where the kernel's tensor parameters come
+    first and the plan fixes grid, scalars and options (the caller keeps one Launcher per plan
+    and per value of any option it varies)."""
+
+    __slots__ = ("_compiled", "grid", "kernel", "options", "scalars")
+
+    def __init__(self, kernel, grid: tuple, scalars: tuple, options: dict):
+        self.kernel, self.grid, self.scalars, self.options = kernel, grid, scalars, options
+        # (device, alignment of each tensor) -> (CompiledKernel.run, function, metadata, tail)
+        self._compiled: dict[tuple, tuple] | None = {} if _direct_launches_work() else None
+
+    def __call__(self, *tensors) -> None:
+        compiled = self._compiled
+        if compiled is None or _hooks_set():
+            self.kernel[self.grid](*tensors, *self.scalars, **self.options)
+            return
+        device = driver.active.get_current_device()
+        key = (device, *[t is None or t.data_ptr() % 16 == 0 for t in tensors])
+        entry = compiled.get(key)
+        if entry is None:  # this launch goes through Triton, which compiles or finds the kernel
+            entry = self._launch_and_keep(device, tensors)
+            if entry is not None:
+                compiled[key] = entry
+            return
+        run, function, metadata, tail = entry
+        stream = driver.active.get_current_stream(device)
+        run(*self.grid, stream, function, metadata, None, None, None, *tensors, *tail)
+
+    def _launch_and_keep(self, device: int, tensors: tuple) -> tuple | None:
+        """Launch through Triton (compiling if needed) and return what a direct launch of the
+        same kernel needs; None when Triton did not return a compiled kernel."""
+        args = (*tensors, *self.scalars)
+        kernel = self.kernel[self.grid](*args, **self.options)
+        if kernel is None or not hasattr(kernel, "packed_metadata"):
+            return None
+        bound = tuple(self.kernel.device_caches[device][4](*args, **self.options)[0].values())
+        kernel.run  # noqa: B018 (loads the module on this device, which sets .function)
+        return kernel.run, kernel.function, kernel.packed_metadata, bound[len(tensors) :]
+
+
+def _hooks_set() -> bool:
+    """Whether a launch hook is set: Triton 3.6 keeps them in HookChains (never None; empty
+    when nothing is registered), older versions as plain callables or None."""
+    runtime = knobs.runtime
+    return any(
+        getattr(hook, "calls", hook)
+        for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook)
+    )
+
+
+def _direct_launches_work() -> bool:
+    return (
+        driver is not None
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and hasattr(knobs, "runtime")
+        and hasattr(knobs.runtime, "launch_enter_hook")
+    )
