@@ -39,6 +39,10 @@ CASES = {
     "bf16-padded-states-nosoftplus": dict(seqlen=41, dtype=torch.bfloat16, dstate=5,
                                           softplus=False),
     "one-step": dict(seqlen=1, dstate=16, c_form="constant"),
+    # As traced with symbolic sizes: the kernels test the strides' divisibility by T at run
+    # time (float32: T = 4) and take the body declaring it, or the plain one.
+    "checked-aligned-ranges": dict(seqlen=300, dstate=8, initial_state=True, check_align=True),
+    "checked-unaligned": dict(seqlen=41, dtype=torch.bfloat16, dstate=5, check_align=True),
 }  # fmt: skip
 
 
@@ -48,6 +52,9 @@ def test_triton_kernels_match_oracle(name, monkeypatch):
     case = dict(CASES[name])
     softplus = case.pop("softplus", True)
     strided = case.pop("strided", False)
+    if case.pop("check_align", False):
+        monkeypatch.setattr(scan, "any_symbolic", lambda values: True)
+        monkeypatch.setattr(scan, "_PLANS", {})
     inputs = make_inputs(device=DEVICE, batch=case.pop("batch", 2), dim=8, **case)
     names = float_inputs(inputs)
     leaves = {k: v.detach().clone().requires_grad_(True) if k in names else v

@@ -107,6 +107,18 @@ def sigmoid(x, FAST: tl.constexpr):
 
 
 @triton.jit
+def row_offset(batch, s_b, ch, s_d, T: tl.constexpr, ALIGNED: tl.constexpr):
+    """batch * s_b + ch * s_d ([BD, 1, 1] channels ch), declared a multiple of T when ALIGNED
+    (the kernel checked the strides at run time): Triton then loads and stores T-step vectors
+    from these rows. The hint goes on the computed offset, not on the strides: a kernel's or
+    function's arguments carry no such attribute."""
+    off = batch * s_b + ch * s_d
+    if ALIGNED:
+        off = tl.multiple_of(off, [T, T, T])
+    return off
+
+
+@triton.jit
 def time_tile(base, t, t_stride, mask, ACC: tl.constexpr):
     """Load [BD, NS, T] from base ([BD, NS, 1] pointers) + t ([1, 1, T]) * t_stride, masked
     to 0, as ACC. Bases carry the NS axis even when they don't vary along it (u, delta, z), so

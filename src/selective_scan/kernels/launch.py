@@ -10,8 +10,9 @@ are part of the layout). ``Launcher`` keeps the compiled kernel by that alignmen
 device, and launches it directly.
 
 This reads Triton 3.x internals (``JITFunction.device_caches``, ``CompiledKernel.run``). It
-falls back to Triton's own launch under the interpreter, while a launch hook is set (profilers
-such as proton read launch metadata), and for good if those internals are missing.
+falls back to Triton's own launch under the interpreter, for tensors not on a CUDA device, while
+a launch hook is set (profilers such as proton read launch metadata), and for good if those
+internals are missing.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Launcher:
 
     def __call__(self, *tensors) -> None:
         compiled = self._compiled
-        if compiled is None or _hooks_set():
+        if compiled is None or not tensors[0].is_cuda or _hooks_set():
             self.kernel[self.grid](*tensors, *self.scalars, **self.options)
             return
         device = driver.active.get_current_device()

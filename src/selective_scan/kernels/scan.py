@@ -41,6 +41,12 @@ def _sym_max(a, b):
     return max(a, b) if isinstance(a, int) and isinstance(b, int) else torch.sym_max(a, b)
 
 
+def any_symbolic(values) -> bool:
+    """Whether some size or stride is symbolic (traced with dynamic shapes): the kernels then
+    test their strides' divisibility themselves (see _scan_fwd_kernel)."""
+    return not all(isinstance(v, int) for v in values)
+
+
 def _tl_dtype(dtype: torch.dtype):
     return triton.language.float64 if dtype == torch.float64 else triton.language.float32
 
@@ -177,6 +183,7 @@ class _Plan:
             HAS_H0=initial_state is not None, VARLEN=cu_seqlens is not None,
             B_VAR=B.dim() > 2, C_VAR=C.dim() > 2, ACC=_tl_dtype(cdt), FAST=_fast_math(u, cdt),
             STAGES=cfg["STAGES"], num_warps=cfg["num_warps"],
+            CHECK_ALIGN=any_symbolic(self.args),
         )  # fmt: skip
         # Direct launchers (launch.py) of eager calls, by the launch's own arguments; None for
         # plans built while tracing, which launch through wrap_triton.
@@ -227,9 +234,10 @@ def plan(cfg_fn, *inputs) -> _Plan:
 
 def _launch(p: _Plan, kernel, grid: tuple, tensors: tuple, scalars: tuple, flags: dict) -> None:
     """kernel[grid](*tensors, *p.args, *scalars, **flags, **p.flags): directly for eager calls
-    of a cached plan (launch.py), through wrap_triton when traced. ``scalars`` and ``flags``
+    of a cached plan on CUDA tensors (launch.py), through wrap_triton otherwise (traced, or the
+    interpreter). ``scalars`` and ``flags``
     are what the launch adds to the plan; they pick its launcher."""
-    if p.launchers is None or not is_plain_eager(tensors[:1]):
+    if p.launchers is None or not tensors[0].is_cuda or not is_plain_eager(tensors[:1]):
         wrap_triton(kernel)[grid](*tensors, *p.args, *scalars, **flags, **p.flags)
         return
     key = (kernel, grid, scalars, *flags.values())

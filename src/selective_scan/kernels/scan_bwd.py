@@ -35,6 +35,7 @@ from .common import (
     pick,
     put,
     reverse_recurrence,
+    row_offset,
     shift_right,
     sigmoid,
     softplus,
@@ -84,7 +85,7 @@ def _bc_tile(row, t0, i, t_idx, const, i_idx, VAR: tl.constexpr, NP: tl.constexp
 
 
 @triton.jit
-def _scan_bwd_kernel(
+def _scan_bwd_body(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
     dout_ptr, dlast_ptr, ckpt_ptr, scratch_ptr,
     du_ptr, ddelta_ptr, dz_ptr, dA_ptr, dB_ptr, dC_ptr, dD_ptr, dbias_ptr, dh0_ptr,
@@ -100,6 +101,7 @@ def _scan_bwd_kernel(
     HAS_H0: tl.constexpr, HAS_DLAST: tl.constexpr, VARLEN: tl.constexpr,
     B_VAR: tl.constexpr, C_VAR: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr,
     STAGES: tl.constexpr, LOCAL: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(1)
     blk = tl.program_id(0)
@@ -114,6 +116,9 @@ def _scan_bwd_kernel(
     else:
         start = rng * RL
         end = tl.minimum(seqlen, start + RL)
+        if ALIGNED:  # RL is a multiple of CKPT, seqlen one of T: tile masks are uniform
+            start = tl.multiple_of(start, T)
+            end = tl.multiple_of(end, T)
         seq_start = 0
         batch = seq.to(tl.int64)
     NP: tl.constexpr = NS * NI
@@ -150,14 +155,14 @@ def _scan_bwd_kernel(
     Dv = tl.zeros([BD, 1, 1], ACC)
     if HAS_D:
         Dv = tl.load(D_ptr + ch64 * s_D, mask=row_ok, other=0.0).to(ACC)
-    u_row = u_ptr + batch * s_ub + ch64 * s_ud
-    dt_row = delta_ptr + batch * s_db + ch64 * s_dd
+    u_row = u_ptr + row_offset(batch, s_ub, ch64, s_ud, T, ALIGNED)
+    dt_row = delta_ptr + row_offset(batch, s_db, ch64, s_dd, T, ALIGNED)
     z_row = u_row  # unused without z
     if HAS_Z:
-        z_row = z_ptr + batch * s_zb + ch64 * s_zd
-    dout_row = dout_ptr + batch * s_ob + ch64 * s_od
+        z_row = z_ptr + row_offset(batch, s_zb, ch64, s_zd, T, ALIGNED)
+    dout_row = dout_ptr + row_offset(batch, s_ob, ch64, s_od, T, ALIGNED)
     # Gradient outputs are contiguous (batch, dim, seqlen), like u (ddelta too).
-    grad_row = batch * dim * seqlen + ch64 * seqlen
+    grad_row = row_offset(batch, dim * seqlen, ch64, seqlen, T, ALIGNED)
     program = (seq64 * n_ranges + rng) * n_blocks + blk
     scratch = scratch_ptr + (program * (CKPT // T)) * (BD * NP)
     scratch_tile = scratch + (ch64 - blk * BD) * NP + n  # [BD, NS, NI]
@@ -269,9 +274,12 @@ def _scan_bwd_kernel(
                 dA_acc = put(dA_acc, i_idx, i, pick(dA_acc, i_idx, i) + tl.sum(dhh * dt, axis=2))
                 db = dh * dtu
                 dc = dy * hs
+                # Rows of this block's partial sums of dB/dC, (batch, blocks, NP, seqlen).
+                part_t = t64 + row_offset(batch * n_blocks + blk, NP * seqlen, lane * NI + i,
+                                          seqlen, T, ALIGNED)  # fmt: skip
                 if B_VAR:
                     tl.store(
-                        dB_ptr + ((batch * n_blocks + blk) * NP + lane * NI + i) * seqlen + t64,
+                        dB_ptr + part_t,
                         tl.sum(db, axis=0)[None, :, :],
                         mask=(t >= start) & (t < end),
                     )
@@ -279,7 +287,7 @@ def _scan_bwd_kernel(
                     dB_acc = put(dB_acc, i_idx, i, pick(dB_acc, i_idx, i) + tl.sum(db, axis=2))
                 if C_VAR:
                     tl.store(
-                        dC_ptr + ((batch * n_blocks + blk) * NP + lane * NI + i) * seqlen + t64,
+                        dC_ptr + part_t,
                         tl.sum(dc, axis=0)[None, :, :],
                         mask=(t >= start) & (t < end),
                     )
@@ -317,3 +325,56 @@ def _scan_bwd_kernel(
         tl.store(dD_ptr + part_row, tl.sum(dD_acc, axis=2)[:, :, None], mask=row_ok)
     if HAS_BIAS:
         tl.store(dbias_ptr + part_row, tl.sum(dbias_acc, axis=2)[:, :, None], mask=row_ok)
+
+
+@triton.jit
+def _scan_bwd_kernel(
+    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
+    dout_ptr, dlast_ptr, ckpt_ptr, scratch_ptr,
+    du_ptr, ddelta_ptr, dz_ptr, dA_ptr, dB_ptr, dC_ptr, dD_ptr, dbias_ptr, dh0_ptr,
+    dhloc_ptr, dtsum_ptr,
+    dim, seqlen, RL, n_ranges,
+    s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An,
+    tiles, B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn,
+    s_D, s_bias, s_hb, s_hd, s_hn,
+    n_blocks, s_ob, s_od, s_ot, s_lb, s_ld, s_ln, s_kb, s_kd, s_kc,
+    DSTATE: tl.constexpr, NS: tl.constexpr, NI: tl.constexpr, BD: tl.constexpr,
+    T: tl.constexpr, CKPT: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_H0: tl.constexpr, HAS_DLAST: tl.constexpr, VARLEN: tl.constexpr,
+    B_VAR: tl.constexpr, C_VAR: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr,
+    STAGES: tl.constexpr, LOCAL: tl.constexpr,
+    CHECK_ALIGN: tl.constexpr,
+):  # fmt: skip
+    # The body's loads and stores of T-step tiles are 16-byte vectors only where Triton
+    # knows the row offsets are multiples of T. At launch it specializes integer arguments
+    # by their divisibility, but Inductor passes symbolic sizes unspecialized
+    # (torch.compile(dynamic=True), torch.export with dynamic dims): the body then gets a
+    # layout with the time axis across lanes, 3-5x slower. CHECK_ALIGN (set by the launcher
+    # for symbolic sizes) tests the row strides (and seqlen, the rows of the gradient outputs)
+    # at run time and takes a body compiled with that divisibility declared.
+    aligned = False
+    if CHECK_ALIGN:
+        aligned = ((s_ub | s_ud | s_db | s_dd | s_zb | s_zd | s_ob | s_od | seqlen) % T) == 0
+    if aligned:
+        _scan_bwd_body(
+            u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
+            dout_ptr, dlast_ptr, ckpt_ptr, scratch_ptr, du_ptr, ddelta_ptr, dz_ptr, dA_ptr,
+            dB_ptr, dC_ptr, dD_ptr, dbias_ptr, dh0_ptr, dhloc_ptr, dtsum_ptr, dim, seqlen, RL,
+            n_ranges, s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An, tiles,
+            B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn, s_D, s_bias, s_hb,
+            s_hd, s_hn, n_blocks, s_ob, s_od, s_ot, s_lb, s_ld, s_ln, s_kb, s_kd, s_kc, DSTATE,
+            NS, NI, BD, T, CKPT, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_H0, HAS_DLAST, VARLEN,
+            B_VAR, C_VAR, ACC, FAST, STAGES, LOCAL, True,
+        )  # fmt: skip
+    else:
+        _scan_bwd_body(
+            u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
+            dout_ptr, dlast_ptr, ckpt_ptr, scratch_ptr, du_ptr, ddelta_ptr, dz_ptr, dA_ptr,
+            dB_ptr, dC_ptr, dD_ptr, dbias_ptr, dh0_ptr, dhloc_ptr, dtsum_ptr, dim, seqlen, RL,
+            n_ranges, s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An, tiles,
+            B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn, s_D, s_bias, s_hb,
+            s_hd, s_hn, n_blocks, s_ob, s_od, s_ot, s_lb, s_ld, s_ln, s_kb, s_kd, s_kc, DSTATE,
+            NS, NI, BD, T, CKPT, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_H0, HAS_DLAST, VARLEN,
+            B_VAR, C_VAR, ACC, FAST, STAGES, LOCAL, False,
+        )  # fmt: skip

@@ -18,16 +18,20 @@ those (the state entering range r + 1 is exp(A sum(delta_r)) h_in(r) + h_local(r
 
 Steps outside [start, end) of the sequence (the head of the first tile, the tail of the last)
 get delta = 0, i.e. exp(0 * A) = 1 and no input: they carry the state through unchanged.
+
+The work is in ``_scan_fwd_body``; ``_scan_fwd_kernel`` picks the body's ALIGNED variant, which
+declares row offsets and range bounds multiples of T, when sizes were symbolic at trace time
+and the strides allow it (see there). The backward is organized the same way.
 """
 
 import triton
 import triton.language as tl
 
-from .common import LOG2E, combine, pick, put, sigmoid, softplus, time_tile
+from .common import LOG2E, combine, pick, put, row_offset, sigmoid, softplus, time_tile
 
 
 @triton.jit
-def _scan_fwd_kernel(
+def _scan_fwd_body(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
     out_ptr, last_ptr, ckpt_ptr, hloc_ptr, dtsum_ptr,
     dim, seqlen, RL, n_ranges,
@@ -40,6 +44,7 @@ def _scan_fwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, VARLEN: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
     ACC: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr, LOCAL: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(1)
     rng = tl.program_id(2)
@@ -50,6 +55,9 @@ def _scan_fwd_kernel(
     else:
         start = rng * RL
         end = tl.minimum(seqlen, start + RL)
+        if ALIGNED:  # RL is a multiple of CKPT, seqlen one of T: tile masks are uniform
+            start = tl.multiple_of(start, T)
+            end = tl.multiple_of(end, T)
         batch = seq.to(tl.int64)
 
     blk_first = (tl.program_id(0) * BD).to(tl.int64)  # first channel of the block
@@ -99,11 +107,11 @@ def _scan_fwd_kernel(
         Dv = tl.load(D_ptr + ch64 * s_D, mask=row_ok, other=0.0).to(ACC)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + ch64 * s_bias, mask=row_ok, other=0.0).to(ACC)
-    u_row = u_ptr + batch * s_ub + ch64 * s_ud
-    dt_row = delta_ptr + batch * s_db + ch64 * s_dd
+    u_row = u_ptr + row_offset(batch, s_ub, ch64, s_ud, T, ALIGNED)
+    dt_row = delta_ptr + row_offset(batch, s_db, ch64, s_dd, T, ALIGNED)
     if HAS_Z:
-        z_row = z_ptr + batch * s_zb + ch64 * s_zd
-    out_row = out_ptr + batch * s_ob + ch64 * s_od
+        z_row = z_ptr + row_offset(batch, s_zb, ch64, s_zd, T, ALIGNED)
+    out_row = out_ptr + row_offset(batch, s_ob, ch64, s_od, T, ALIGNED)
     ckpt_tile = ckpt_ptr + batch * s_kb + ch64 * s_kd + n
 
     dt_total = tl.zeros([BD, 1, T], ACC)
@@ -159,3 +167,49 @@ def _scan_fwd_kernel(
         # written by the one program whose non-empty range ends there.
         spare_ok = st_ok & (end == seqlen) & (start < end)
         tl.store(ckpt_tile + ((seqlen + CKPT - 1) // CKPT) * s_kc, h, mask=spare_ok)
+
+
+@triton.jit
+def _scan_fwd_kernel(
+    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
+    out_ptr, last_ptr, ckpt_ptr, hloc_ptr, dtsum_ptr,
+    dim, seqlen, RL, n_ranges,
+    s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An,
+    tiles, B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn,
+    s_D, s_bias, s_hb, s_hd, s_hn,
+    s_ob, s_od, s_kb, s_kd, s_kc, s_lb, s_ld,
+    DSTATE: tl.constexpr, NS: tl.constexpr, NI: tl.constexpr, BD: tl.constexpr,
+    T: tl.constexpr, CKPT: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_H0: tl.constexpr, VARLEN: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
+    ACC: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr, LOCAL: tl.constexpr,
+    CHECK_ALIGN: tl.constexpr,
+):  # fmt: skip
+    # The body's loads and stores of T-step tiles are 16-byte vectors only where Triton
+    # knows the row offsets are multiples of T. At launch it specializes integer arguments
+    # by their divisibility, but Inductor passes symbolic sizes unspecialized
+    # (torch.compile(dynamic=True), torch.export with dynamic dims): the body then gets a
+    # layout with the time axis across lanes, 3-5x slower. CHECK_ALIGN (set by the launcher
+    # for symbolic sizes) tests the row strides at run time and takes a body
+    # compiled with that divisibility declared.
+    aligned = False
+    if CHECK_ALIGN:
+        aligned = ((s_ub | s_ud | s_db | s_dd | s_zb | s_zd | s_ob | s_od | seqlen) % T) == 0
+    if aligned:
+        _scan_fwd_body(
+            u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
+            out_ptr, last_ptr, ckpt_ptr, hloc_ptr, dtsum_ptr, dim, seqlen, RL, n_ranges, s_ub,
+            s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An, tiles, B_groups,
+            B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn, s_D, s_bias, s_hb, s_hd, s_hn,
+            s_ob, s_od, s_kb, s_kd, s_kc, s_lb, s_ld, DSTATE, NS, NI, BD, T, CKPT, HAS_D, HAS_Z,
+            HAS_BIAS, SOFTPLUS, HAS_H0, VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES, LOCAL, True,
+        )  # fmt: skip
+    else:
+        _scan_fwd_body(
+            u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
+            out_ptr, last_ptr, ckpt_ptr, hloc_ptr, dtsum_ptr, dim, seqlen, RL, n_ranges, s_ub,
+            s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An, tiles, B_groups,
+            B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn, s_D, s_bias, s_hb, s_hd, s_hn,
+            s_ob, s_od, s_kb, s_kd, s_kc, s_lb, s_ld, DSTATE, NS, NI, BD, T, CKPT, HAS_D, HAS_Z,
+            HAS_BIAS, SOFTPLUS, HAS_H0, VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES, LOCAL, False,
+        )  # fmt: skip
