@@ -47,6 +47,7 @@ GRID = [
     dict(seqlen=1),
     dict(seqlen=7, b_form="constant", c_form="grouped", groups=4),
     dict(seqlen=2048, dtype=torch.bfloat16),
+    dict(seqlen=264, dtype=torch.bfloat16),  # a multiple of T, not of 16: rows declared aligned
     dict(seqlen=2049, dtype=torch.float16, initial_state=True),
     dict(seqlen=2049, b_form="grouped", c_form="constant", groups=2, D=False),
     dict(seqlen=300, z=False, delta_bias=False, initial_state=True),
@@ -167,6 +168,23 @@ def test_direct_launches_equal_tritons(seqlen, monkeypatch):
         assert rel_err(a, b) < 1e-2
     launchers = [lr for p in scan._PLANS.values() for lr in p.launchers.values()]
     assert launchers and all(len(lr._compiled) == 2 for lr in launchers)  # aligned, misaligned
+
+
+def test_backward_with_unaligned_dout_rows():
+    """264 steps get kernels declaring 16-byte rows (a multiple of T = 8, not of 16); a dout
+    whose rows are not (a view of 265-step rows) must get the plain kernel: the same
+    gradients as from a contiguous copy, and no misaligned vector access."""
+    inputs = make_inputs(device="cuda", batch=2, dim=96, dstate=16, seqlen=264,
+                         dtype=torch.bfloat16)  # fmt: skip
+    fwd = OPS.scan_fwd_triton(*[inputs[k] for k in FWD_ARGS], True)
+    wide = torch.randn(2, 96, 265, device="cuda", dtype=torch.bfloat16)
+    dout = wide[..., :264]
+    grads = OPS.scan_bwd_triton(dout, None, *[inputs[k] for k in FWD_ARGS], fwd[2], True)
+    expected = OPS.scan_bwd_triton(
+        dout.contiguous(), None, *[inputs[k] for k in FWD_ARGS], fwd[2], True
+    )
+    for a, b in zip(grads, expected, strict=True):
+        assert rel_err(a, b) < 1e-2
 
 
 @pytest.mark.parametrize("index", range(3))

@@ -36,13 +36,19 @@ CASES = {
         batch=1, seqlen=150, cu_seqlens=[0, 10, 10, 64, 131, 150], initial_state=True,
         b_form="grouped", dstate=8,
     ),
+    # Packed, 152 steps (a multiple of T = 4): the kernels load whole tiles across the
+    # sequences' boundaries and zero what lies outside each (tile_masks' WIDE loads).
+    "varlen-whole-tiles": dict(
+        batch=1, seqlen=152, cu_seqlens=[0, 10, 10, 67, 131, 152], initial_state=True, dstate=8,
+    ),
     "bf16-padded-states-nosoftplus": dict(seqlen=41, dtype=torch.bfloat16, dstate=5,
                                           softplus=False),
     "one-step": dict(seqlen=1, dstate=16, c_form="constant"),
     # As traced with symbolic sizes: the kernels test the strides' divisibility by T at run
-    # time (float32: T = 4) and take the body declaring it, or the plain one.
-    "checked-aligned-ranges": dict(seqlen=300, dstate=8, initial_state=True, check_align=True),
-    "checked-unaligned": dict(seqlen=41, dtype=torch.bfloat16, dstate=5, check_align=True),
+    # time (float32: T = 4) and take the body declaring it, or the plain one. ("ranges-init"
+    # gets the declared body from the launcher: 300 is a multiple of T, not of 16.)
+    "checked-aligned-ranges": dict(seqlen=300, dstate=8, initial_state=True, checked=True),
+    "checked-unaligned": dict(seqlen=41, dtype=torch.bfloat16, dstate=5, checked=True),
 }  # fmt: skip
 
 
@@ -52,8 +58,8 @@ def test_triton_kernels_match_oracle(name, monkeypatch):
     case = dict(CASES[name])
     softplus = case.pop("softplus", True)
     strided = case.pop("strided", False)
-    if case.pop("check_align", False):
-        monkeypatch.setattr(scan, "any_symbolic", lambda values: True)
+    if case.pop("checked", False):
+        monkeypatch.setattr(scan, "align_mode", lambda *sizes: scan.ALIGN_CHECKED)
         monkeypatch.setattr(scan, "_PLANS", {})
     inputs = make_inputs(device=DEVICE, batch=case.pop("batch", 2), dim=8, **case)
     names = float_inputs(inputs)
@@ -102,6 +108,20 @@ def test_blocked_bc_adds_no_guard_for_symbolic_seqlen():
     shape_env = next(iter(graph.graph.nodes)).meta["val"].fake_mode.shape_env
     assert [str(g.expr) for g in shape_env.guards] == []
     assert scan.bc_blocks(torch.randn(1, 4, 3), 4, 8, torch.float32).shape == (1, 1, 2, 8, 4)
+
+
+def test_align_modes():
+    """Divisibility comes from Triton's specialization (multiples of 16), from the launcher
+    (other multiples of T), or from a run-time check in the kernel (symbolic sizes)."""
+    assert scan.align_mode(8, False, 2048, 1536 * 2048, 2048, 0, 0) == scan.ALIGN_PLAIN
+    assert scan.align_mode(8, True, 2048, 1536 * 2048, 2048) == scan.ALIGN_DECLARED  # packed
+    assert scan.align_mode(8, False, 1000, 1536 * 1000, 1000) == scan.ALIGN_DECLARED
+    assert scan.align_mode(8, True, 2049, 2049) == scan.ALIGN_PLAIN  # rows not vector-aligned
+    traced = make_fx(lambda u: u.new_empty(u.shape[-1]), tracing_mode="symbolic")(
+        torch.randn(2, 48)
+    )
+    seqlen = next(iter(traced.graph.nodes)).meta["val"].shape[-1]  # a symbolic size
+    assert scan.align_mode(8, False, seqlen, 16) == scan.ALIGN_CHECKED
 
 
 def test_ranges_only_for_idle_gpus():

@@ -112,15 +112,34 @@ def row_offset(batch, s_b, ch, s_d, T: tl.constexpr, ALIGNED: tl.constexpr):
     (the kernel checked the strides at run time): Triton then loads and stores T-step vectors
     from these rows. The hint goes on the computed offset, not on the strides: a kernel's or
     function's arguments carry no such attribute."""
-    off = batch * s_b + ch * s_d
-    if ALIGNED:
-        off = tl.multiple_of(off, [T, T, T])
-    return off
+    off_b = batch * s_b
+    off_d = ch * s_d
+    if ALIGNED:  # each term on its own: a sum may be folded away (batch is 0 for packed ones)
+        off_b = tl.multiple_of(off_b, T)
+        off_d = tl.multiple_of(off_d, [T, T, T])
+    return off_b + off_d
 
 
 @triton.jit
-def time_tile(base, t, t_stride, mask, ACC: tl.constexpr):
-    """Load [BD, NS, T] from base ([BD, NS, 1] pointers) + t ([1, 1, T]) * t_stride, masked
-    to 0, as ACC. Bases carry the NS axis even when they don't vary along it (u, delta, z), so
-    that every time tile comes out in the same layout: no conversion inside the loop."""
+def tile_masks(row_ok, t, start, end, seqlen, T: tl.constexpr, WIDE: tl.constexpr):
+    """(steps of the tile inside [start, end), steps to load). Loads are masked like the steps,
+    except WIDE ones, which read every step of the tile inside the row (t < seqlen: the same
+    for a whole tile when seqlen is a multiple of T) and zero the others afterwards: a packed
+    sequence starts and ends anywhere, and a mask varying inside a tile costs the loads their
+    vector width, and the kernel its in-thread layout of the time axis."""
+    m = row_ok & (t >= start) & (t < end)
+    if WIDE:  # seqlen is a multiple of T here; written so, Triton knows it too
+        return m, row_ok & (t < (seqlen // T) * T)
+    return m, m
+
+
+@triton.jit
+def time_tile(base, t, t_stride, mask, load_mask, ACC: tl.constexpr, WIDE: tl.constexpr):
+    """Load [BD, NS, T] from base ([BD, NS, 1] pointers) + t ([1, 1, T]) * t_stride, 0 outside
+    mask, as ACC (see tile_masks). Bases carry the NS axis even when they don't vary along it
+    (u, delta, z), so that every time tile comes out in the same layout: no conversion inside
+    the loop."""
+    if WIDE:
+        x = tl.load(base + t * t_stride, mask=load_mask, other=0.0).to(ACC)
+        return tl.where(mask, x, 0.0)
     return tl.load(base + t * t_stride, mask=mask, other=0.0).to(ACC)

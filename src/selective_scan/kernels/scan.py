@@ -41,10 +41,23 @@ def _sym_max(a, b):
     return max(a, b) if isinstance(a, int) and isinstance(b, int) else torch.sym_max(a, b)
 
 
-def any_symbolic(values) -> bool:
-    """Whether some size or stride is symbolic (traced with dynamic shapes): the kernels then
-    test their strides' divisibility themselves (see _scan_fwd_kernel)."""
-    return not all(isinstance(v, int) for v in values)
+# How a launch gets the divisibility its T-step vectors need (the kernels' ALIGN, see
+# _scan_fwd_kernel): from Triton's launch-time specialization (multiples of 16), declared by
+# the launcher (sizes known, multiples of T), or checked by the kernel at run time (sizes
+# symbolic while traced: Inductor passes them with no divisibility).
+ALIGN_PLAIN, ALIGN_DECLARED, ALIGN_CHECKED = 0, 1, 2
+
+
+def align_mode(T: int, varlen: bool, seqlen, *row_strides) -> int:
+    """The ALIGN of a launch whose rows start at multiples of these strides and of seqlen.
+    Packed sequences always want the declaration when it holds: it also lets their kernels
+    load whole tiles (tile_masks in common.py), which Triton's specialization cannot do."""
+    sizes = (seqlen, *row_strides)
+    if not all(isinstance(v, int) for v in sizes):
+        return ALIGN_CHECKED
+    if not all(v % T == 0 for v in sizes) or (all(v % 16 == 0 for v in sizes) and not varlen):
+        return ALIGN_PLAIN
+    return ALIGN_DECLARED
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -177,13 +190,14 @@ class _Plan:
             0 if D is None else D.stride(0), 0 if delta_bias is None else delta_bias.stride(0),
             *_strides3(initial_state),
         )  # fmt: skip
+        row_strides = (*u.stride()[:2], *delta.stride()[:2], *_strides3(z)[:2])
         self.flags = dict(
             DSTATE=self.dstate, NS=cfg["NS"], NI=cfg["NI"], BD=cfg["BD"], T=cfg["T"], CKPT=CKPT,
             HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
             HAS_H0=initial_state is not None, VARLEN=cu_seqlens is not None,
             B_VAR=B.dim() > 2, C_VAR=C.dim() > 2, ACC=_tl_dtype(cdt), FAST=_fast_math(u, cdt),
             STAGES=cfg["STAGES"], num_warps=cfg["num_warps"],
-            CHECK_ALIGN=any_symbolic(self.args),
+            ALIGN=align_mode(cfg["T"], cu_seqlens is not None, seqlen, *row_strides),
         )  # fmt: skip
         # Direct launchers (launch.py) of eager calls, by the launch's own arguments; None for
         # plans built while tracing, which launch through wrap_triton.
@@ -233,17 +247,18 @@ def plan(cfg_fn, *inputs) -> _Plan:
 
 
 def _launch(p: _Plan, kernel, grid: tuple, tensors: tuple, scalars: tuple, flags: dict) -> None:
-    """kernel[grid](*tensors, *p.args, *scalars, **flags, **p.flags): directly for eager calls
+    """kernel[grid](*tensors, *p.args, *scalars, **p.flags, **flags): directly for eager calls
     of a cached plan on CUDA tensors (launch.py), through wrap_triton otherwise (traced, or the
     interpreter). ``scalars`` and ``flags``
     are what the launch adds to the plan; they pick its launcher."""
+    options = p.flags | flags  # the launch's flags win
     if p.launchers is None or not tensors[0].is_cuda or not is_plain_eager(tensors[:1]):
-        wrap_triton(kernel)[grid](*tensors, *p.args, *scalars, **flags, **p.flags)
+        wrap_triton(kernel)[grid](*tensors, *p.args, *scalars, **options)
         return
     key = (kernel, grid, scalars, *flags.values())
     launcher = p.launchers.get(key)
     if launcher is None:
-        launcher = Launcher(kernel, grid, (*p.args, *scalars), flags | p.flags)
+        launcher = Launcher(kernel, grid, (*p.args, *scalars), options)
         p.launchers[key] = launcher
     launcher(*tensors)
 
@@ -354,8 +369,12 @@ def scan_bwd(
         du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, dbias_part, dh0, dh_local, dt_sums,
     )  # fmt: skip
     scalars = (p.n_blocks, *dout.stride(), *last_strides, *checkpoints.stride()[:3])
+    align = p.flags["ALIGN"]  # the plan checked the inputs' rows; dout's rows count too
+    if align == ALIGN_DECLARED and any(s % p.cfg["T"] for s in dout.stride()[:2]):
+        align = ALIGN_PLAIN
     for local, grid in p.launches():
-        flags = dict(SOFTPLUS=delta_softplus, HAS_DLAST=dlast_state is not None, LOCAL=local)
+        flags = dict(SOFTPLUS=delta_softplus, HAS_DLAST=dlast_state is not None, LOCAL=local,
+                     ALIGN=align)  # fmt: skip
         _launch(p, _scan_bwd_kernel, grid, tensors, scalars, flags)
 
     def empty():  # one placeholder per absent input: outputs must not alias each other

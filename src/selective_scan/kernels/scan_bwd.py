@@ -39,33 +39,34 @@ from .common import (
     shift_right,
     sigmoid,
     softplus,
+    tile_masks,
     time_tile,
 )
 
 
 @triton.jit
 def _tile_inputs(
-    dt_row, u_row, t64, s_dt, s_ut, m, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    ACC: tl.constexpr, FAST: tl.constexpr,
+    dt_row, u_row, t64, s_dt, s_ut, m, lm, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    ACC: tl.constexpr, FAST: tl.constexpr, WIDE: tl.constexpr,
 ):  # fmt: skip
     """(delta before softplus, delta, u) of one tile; delta = 0 outside the sequence."""
-    dt_raw = time_tile(dt_row, t64, s_dt, m, ACC)
+    dt_raw = time_tile(dt_row, t64, s_dt, m, lm, ACC, WIDE)
     if HAS_BIAS:
         dt_raw += bias
     dt = dt_raw
     if SOFTPLUS:
         dt = softplus(dt_raw, FAST)
     dt = tl.where(m, dt, 0.0)
-    return dt_raw, dt, time_tile(u_row, t64, s_ut, m, ACC)
+    return dt_raw, dt, time_tile(u_row, t64, s_ut, m, lm, ACC, WIDE)
 
 
 @triton.jit
-def _dy_tile(dout_row, z_row, t64, s_ot, s_zt, m, HAS_Z: tl.constexpr, ACC: tl.constexpr,
-             FAST: tl.constexpr):  # fmt: skip
+def _dy_tile(dout_row, z_row, t64, s_ot, s_zt, m, lm, HAS_Z: tl.constexpr, ACC: tl.constexpr,
+             FAST: tl.constexpr, WIDE: tl.constexpr):  # fmt: skip
     """(dout, dy = dout * silu(z), z, sigmoid(z)) of one tile (z terms are dout when no z)."""
-    dout = time_tile(dout_row, t64, s_ot, m, ACC)
+    dout = time_tile(dout_row, t64, s_ot, m, lm, ACC, WIDE)
     if HAS_Z:
-        zz = time_tile(z_row, t64, s_zt, m, ACC)
+        zz = time_tile(z_row, t64, s_zt, m, lm, ACC, WIDE)
         sig_z = sigmoid(zz, FAST)
         dy = dout * zz * sig_z
     else:
@@ -103,6 +104,7 @@ def _scan_bwd_body(
     STAGES: tl.constexpr, LOCAL: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):  # fmt: skip
+    WIDE: tl.constexpr = VARLEN and ALIGNED  # load whole tiles (see tile_masks)
     seq = tl.program_id(1)
     blk = tl.program_id(0)
     rng = tl.program_id(2)
@@ -194,11 +196,11 @@ def _scan_bwd_body(
             t0 = first + (n_tiles - 1 - k_rev) * T
             t = t0 + t_idx
             t64 = t.to(tl.int64)
-            m = row_ok & (t >= start) & (t < end)
-            _, dt, _ = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, bias, HAS_BIAS, SOFTPLUS,
-                                    ACC, FAST)  # fmt: skip
+            m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WIDE)
+            _, dt, _ = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias, HAS_BIAS,
+                                    SOFTPLUS, ACC, FAST, WIDE)  # fmt: skip
             dt_total += dt
-            _, dy, _, _ = _dy_tile(dout_row, z_row, t64, s_ot, s_zt, m, HAS_Z, ACC, FAST)
+            _, dy, _, _ = _dy_tile(dout_row, z_row, t64, s_ot, s_zt, m, lm, HAS_Z, ACC, FAST, WIDE)
             for i in tl.static_range(NI):
                 a = tl.math.exp2(dt * pick(A2, i_idx, i)[:, :, None])
                 c_i = _bc_tile(C_row, t0, i, t_idx, C_const, i_idx, C_VAR, NP, T, ACC)
@@ -228,9 +230,9 @@ def _scan_bwd_body(
             tl.store(scratch_tile + ((t0 - c * CKPT) // T) * (BD * NP), h)
             t = t0 + t_idx
             t64 = t.to(tl.int64)
-            m = row_ok & (t >= start) & (t < end)
-            _, dt, uu = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, bias, HAS_BIAS, SOFTPLUS,
-                                     ACC, FAST)  # fmt: skip
+            m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WIDE)
+            _, dt, uu = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias, HAS_BIAS,
+                                     SOFTPLUS, ACC, FAST, WIDE)  # fmt: skip
             dtu = dt * uu
             for i in tl.static_range(NI):
                 a = tl.math.exp2(dt * pick(A2, i_idx, i)[:, :, None])
@@ -246,11 +248,13 @@ def _scan_bwd_body(
             h_in = tl.load(scratch_tile + ((t0 - c * CKPT) // T) * (BD * NP))
             t = t0 + t_idx
             t64 = t.to(tl.int64)
-            m = row_ok & (t >= start) & (t < end)
-            dt_raw, dt, uu = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, bias, HAS_BIAS,
-                                          SOFTPLUS, ACC, FAST)  # fmt: skip
+            m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WIDE)
+            dt_raw, dt, uu = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias,
+                                          HAS_BIAS, SOFTPLUS, ACC, FAST, WIDE)  # fmt: skip
             dtu = dt * uu
-            dout, dy, zz, sig_z = _dy_tile(dout_row, z_row, t64, s_ot, s_zt, m, HAS_Z, ACC, FAST)
+            dout, dy, zz, sig_z = _dy_tile(
+                dout_row, z_row, t64, s_ot, s_zt, m, lm, HAS_Z, ACC, FAST, WIDE
+            )
             sum_dhb = tl.zeros([BD, NS, T], ACC)  # sum_n dh B
             sum_adhh = tl.zeros([BD, NS, T], ACC)  # sum_n A2 dh (h - x)
             y = tl.zeros([BD, NS, T], ACC)
@@ -344,17 +348,17 @@ def _scan_bwd_kernel(
     HAS_H0: tl.constexpr, HAS_DLAST: tl.constexpr, VARLEN: tl.constexpr,
     B_VAR: tl.constexpr, C_VAR: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr,
     STAGES: tl.constexpr, LOCAL: tl.constexpr,
-    CHECK_ALIGN: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):  # fmt: skip
     # The body's loads and stores of T-step tiles are 16-byte vectors only where Triton
-    # knows the row offsets are multiples of T. At launch it specializes integer arguments
-    # by their divisibility, but Inductor passes symbolic sizes unspecialized
-    # (torch.compile(dynamic=True), torch.export with dynamic dims): the body then gets a
-    # layout with the time axis across lanes, 3-5x slower. CHECK_ALIGN (set by the launcher
-    # for symbolic sizes) tests the row strides (and seqlen, the rows of the gradient outputs)
-    # at run time and takes a body compiled with that divisibility declared.
-    aligned = False
-    if CHECK_ALIGN:
+    # knows that row offsets and range bounds are multiples of T; otherwise it lays the time
+    # axis across lanes, 3-5x slower. Its launch-time specialization knows multiples of 16
+    # (ALIGN 0, plain body). For other multiples of T the launcher declares them (ALIGN 1).
+    # Inductor passes symbolic sizes with no divisibility (torch.compile(dynamic=True),
+    # torch.export with dynamic dims): the kernel then tests the row strides and seqlen (the
+    # gradient outputs' rows) at run time (ALIGN 2) and takes the body declaring them if it can.
+    aligned = ALIGN == 1
+    if ALIGN == 2:
         aligned = ((s_ub | s_ud | s_db | s_dd | s_zb | s_zd | s_ob | s_od | seqlen) % T) == 0
     if aligned:
         _scan_bwd_body(

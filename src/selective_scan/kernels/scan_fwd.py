@@ -20,14 +20,24 @@ Steps outside [start, end) of the sequence (the head of the first tile, the tail
 get delta = 0, i.e. exp(0 * A) = 1 and no input: they carry the state through unchanged.
 
 The work is in ``_scan_fwd_body``; ``_scan_fwd_kernel`` picks the body's ALIGNED variant, which
-declares row offsets and range bounds multiples of T, when sizes were symbolic at trace time
-and the strides allow it (see there). The backward is organized the same way.
+declares row offsets and range bounds multiples of T, where Triton's own specialization does
+not (see there). The backward is organized the same way.
 """
 
 import triton
 import triton.language as tl
 
-from .common import LOG2E, combine, pick, put, row_offset, sigmoid, softplus, time_tile
+from .common import (
+    LOG2E,
+    combine,
+    pick,
+    put,
+    row_offset,
+    sigmoid,
+    softplus,
+    tile_masks,
+    time_tile,
+)
 
 
 @triton.jit
@@ -46,6 +56,7 @@ def _scan_fwd_body(
     ACC: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr, LOCAL: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):  # fmt: skip
+    WIDE: tl.constexpr = VARLEN and ALIGNED  # load whole tiles (see tile_masks)
     seq = tl.program_id(1)
     rng = tl.program_id(2)
     if VARLEN:  # one range per sequence
@@ -118,17 +129,17 @@ def _scan_fwd_body(
     for t0 in tl.range((start // T) * T, end, T, num_stages=STAGES):
         t = t0 + t_idx
         t64 = t.to(tl.int64)
-        m = row_ok & (t >= start) & (t < end)  # [BD, 1, T]
+        m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WIDE)  # [BD, 1, T]
         if not LOCAL and (t0 % CKPT == 0) & (t0 >= start):
             tl.store(ckpt_tile + (t0 // CKPT) * s_kc, h, mask=st_ok)
-        dt = time_tile(dt_row, t64, s_dt, m, ACC)
+        dt = time_tile(dt_row, t64, s_dt, m, lm, ACC, WIDE)
         if HAS_BIAS:
             dt += bias
         if SOFTPLUS:
             dt = softplus(dt, FAST)
         dt = tl.where(m, dt, 0.0)
         dt_total += dt
-        uu = time_tile(u_row, t64, s_ut, m, ACC)
+        uu = time_tile(u_row, t64, s_ut, m, lm, ACC, WIDE)
         dtu = dt * uu
         y = tl.zeros([BD, NS, T], ACC)
         for i in tl.static_range(NI):
@@ -153,7 +164,7 @@ def _scan_fwd_body(
             if HAS_D:
                 out += Dv * uu
             if HAS_Z:
-                zz = time_tile(z_row, t64, s_zt, m, ACC)
+                zz = time_tile(z_row, t64, s_zt, m, lm, ACC, WIDE)
                 out *= zz * sigmoid(zz, FAST)
             tl.store(out_row + t64, out.to(out_ptr.dtype.element_ty), mask=m)
     if LOCAL:
@@ -183,17 +194,17 @@ def _scan_fwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, VARLEN: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
     ACC: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr, LOCAL: tl.constexpr,
-    CHECK_ALIGN: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):  # fmt: skip
     # The body's loads and stores of T-step tiles are 16-byte vectors only where Triton
-    # knows the row offsets are multiples of T. At launch it specializes integer arguments
-    # by their divisibility, but Inductor passes symbolic sizes unspecialized
-    # (torch.compile(dynamic=True), torch.export with dynamic dims): the body then gets a
-    # layout with the time axis across lanes, 3-5x slower. CHECK_ALIGN (set by the launcher
-    # for symbolic sizes) tests the row strides at run time and takes a body
-    # compiled with that divisibility declared.
-    aligned = False
-    if CHECK_ALIGN:
+    # knows that row offsets and range bounds are multiples of T; otherwise it lays the time
+    # axis across lanes, 3-5x slower. Its launch-time specialization knows multiples of 16
+    # (ALIGN 0, plain body). For other multiples of T the launcher declares them (ALIGN 1).
+    # Inductor passes symbolic sizes with no divisibility (torch.compile(dynamic=True),
+    # torch.export with dynamic dims): the kernel then tests the row strides and seqlen
+    # at run time (ALIGN 2) and takes the body declaring them when it can.
+    aligned = ALIGN == 1
+    if ALIGN == 2:
         aligned = ((s_ub | s_ud | s_db | s_dd | s_zb | s_zd | s_ob | s_od | seqlen) % T) == 0
     if aligned:
         _scan_fwd_body(
