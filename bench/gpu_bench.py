@@ -6,9 +6,10 @@ For every shape: forward and backward kernel time (median of triton.testing.do_b
 warm-up; inputs rotated so that they never sit in L2), the fraction of the physical floor
 reached, peak memory of forward + backward, and the anchor ratios; the GPU time of the calls'
 kernels alone (profiler), and the public forward, eager and through torch.compile. Also: eager
-call vs torch.compile vs CUDA-graph replay for the small shape, first-call compile time,
-determinism of the backward, and time vs seqlen for the plot. Writes <out>/h200.json and prints
-a table.
+call vs torch.compile vs CUDA-graph replay for the small shape, eager vs compiled with static
+and dynamic shapes (S1, forward and forward + backward), first-call compile time, determinism
+of the backward, and time vs seqlen for the plot (2049 and 2056 steps too). Writes
+<out>/h200.json and prints a table.
 """
 
 from __future__ import annotations
@@ -186,6 +187,37 @@ def bench_modes(shape: str = "S6") -> dict:
     return result
 
 
+def compile_modes(shape: str = "S1") -> dict:
+    """The public function eager vs under torch.compile with static and with dynamic shapes
+    (symbolic sizes: the kernels then check their strides at run time, ALIGN 2), forward alone
+    and forward + backward."""
+    x = make_bench_inputs(shape)
+    leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point())
+              if torch.is_tensor(v) else v for k, v in x.items()}  # fmt: skip
+    args = {k: leaves[k] for k in PUBLIC_ARGS}
+
+    def fwd():
+        with torch.no_grad():
+            return selective_scan_fn(**args)
+
+    def train():
+        selective_scan_fn(**args).float().sum().backward()
+
+    def compiled(f, mode: str):
+        if mode == "eager":
+            return f
+        return torch.compile(f, dynamic=mode == "dynamic", fullgraph=True)
+
+    result = {}
+    for mode in ("eager", "static", "dynamic"):
+        torch._dynamo.reset()
+        for name, f in (("fwd", fwd), ("fwd_bwd", train)):
+            fn = compiled(f, mode)
+            fn()
+            result[f"{mode}_{name}_ms"] = do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return result
+
+
 def determinism(shape: str = "S1") -> dict:
     x = make_bench_inputs(shape)
     out, _, ckpt = fwd_op(x)
@@ -239,7 +271,8 @@ def main() -> None:
             results["shapes"][shape] = {"error": repr(e)}
         print(shape, json.dumps(results["shapes"][shape]), flush=True)
     if not args.quick:
-        for name, fn in (("modes_S6", bench_modes), ("determinism_S1", determinism),
+        for name, fn in (("modes_S6", bench_modes), ("compile_modes_S1", compile_modes),
+                         ("determinism_S1", determinism),
                          ("cold_compile_S1_fp16", cold_compile)):  # fmt: skip
             try:
                 results[name] = fn()
@@ -247,7 +280,7 @@ def main() -> None:
                 results[name] = {"error": repr(e)}
             print(name, json.dumps(results[name]), flush=True)
         results["seqlen_sweep_S1"] = {}
-        for L in (256, 512, 1024, 2048, 4096, 8192):
+        for L in (256, 512, 1024, 2048, 2049, 2056, 4096, 8192):  # 2049, 2056: see ALIGN
             try:
                 results["seqlen_sweep_S1"][L] = bench_shape("S1", seqlen=L)
             except Exception as e:

@@ -26,7 +26,7 @@ def main() -> None:
     args = parser.parse_args()
     results = json.loads(Path(args.results).read_text())
     sweep = {int(k): v for k, v in results["seqlen_sweep_S1"].items() if "error" not in v}
-    lengths = sorted(sweep)
+    lengths = sorted(L for L in sweep if L & (L - 1) == 0)  # the odd lengths are not a curve
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key, style in (("fwd_ms", "o-"), ("bwd_ms", "s-")):
         ax.plot(lengths, [sweep[L][key] for L in lengths], style,

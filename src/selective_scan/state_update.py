@@ -106,9 +106,10 @@ def _plain_eager(tensors: tuple) -> bool:
     ):
         return False
     grad = torch.is_grad_enabled()
-    return all(
-        t is None or (type(t) in _PLAIN_TYPES and not (grad and t.requires_grad)) for t in tensors
-    )
+    for t in tensors:  # a loop, not all(generator): this runs for every decoded token
+        if t is not None and (type(t) not in _PLAIN_TYPES or (grad and t.requires_grad)):
+            return False
+    return True
 
 
 def selective_state_update(
