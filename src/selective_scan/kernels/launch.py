@@ -35,8 +35,15 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 
 def is_plain_eager(tensors) -> bool:
     """Whether launching now is indistinguishable from what tracing would record: no
-    torch.compile, export or dispatch mode is active, and every tensor is a plain one."""
-    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
+    torch.compile, export, dispatch or function mode, or functorch transform is active, and
+    every tensor is a plain one. (Inside a triton_op's eager call all of this holds; the
+    launchers are also called outside the op, by benchmarks and tools.)"""
+    if (
+        torch.compiler.is_compiling()
+        or is_in_torch_dispatch_mode()
+        or torch._C._is_torch_function_mode_enabled()
+        or torch._C._functorch.peek_interpreter_stack() is not None
+    ):
         return False
     return all(t is None or (type(t) in _PLAIN and not is_fake(t)) for t in tensors)
 
