@@ -176,6 +176,7 @@ def compare(packed: tuple, padded: tuple, lengths: list[int]) -> dict:
 def run(args) -> dict:
     dtype = DTYPES[args.dtype]
     lengths = draw_lengths(args.seqs, args.shortest, args.longest, args.seed)
+    lengths[-1] += -sum(lengths) % args.total_multiple
     tokens, padded_tokens = sum(lengths), len(lengths) * max(lengths)
     packed = packed_inputs(lengths, args.dim, args.dstate, dtype, args.device)
     padded = padded_inputs(packed, lengths)
@@ -241,6 +242,11 @@ def main() -> None:
     parser.add_argument("--dstate", type=int, default=16)
     parser.add_argument("--dtype", default="bf16", choices=DTYPES)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--total-multiple", type=int, default=1,
+        help="lengthen the last sequence so that the total is a multiple of this (8: the bf16 "
+        "kernels then load whole tiles, see ALIGN in kernels/scan.py)",
+    )  # fmt: skip
     args = parser.parse_args()
     defaults = {"seqs": (64, 4), "shortest": (64, 4), "longest": (8192, 64), "dim": (2048, 16)}
     for name, (full, quick) in defaults.items():
