@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from ._state_update_checks import as_heads, check_state_update_inputs
 from .interface import use_triton
+from .kernels.launch import PLAIN_TYPES, intercepted
 
 
 def _state_update_torch(
@@ -90,24 +90,16 @@ def _register_triton():
 state_update_triton, _triton_eager = _register_triton()
 
 
-_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
-
-
 def _plain_eager(tensors: tuple) -> bool:
     """Whether calling the implementation directly is indistinguishable from calling the op:
-    nothing traces or intercepts the call (torch.compile, torch.export, dispatch or function
-    modes such as FakeTensorMode, functorch transforms), every tensor is a plain one, and
-    autograd would record nothing (the op's autograd node only raises in backward)."""
-    if (
-        torch.compiler.is_compiling()
-        or is_in_torch_dispatch_mode()
-        or torch._C._is_torch_function_mode_enabled()
-        or torch._C._functorch.peek_interpreter_stack() is not None
-    ):
+    nothing traces or intercepts the call (``kernels.launch.intercepted``), every tensor is a
+    plain one, and autograd would record nothing (the op's autograd node only raises in
+    backward)."""
+    if intercepted():
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:  # a loop, not all(generator): this runs for every decoded token
-        if t is not None and (type(t) not in _PLAIN_TYPES or (grad and t.requires_grad)):
+        if t is not None and (type(t) not in PLAIN_TYPES or (grad and t.requires_grad)):
             return False
     return True
 

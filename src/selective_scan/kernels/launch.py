@@ -30,22 +30,28 @@ try:
 except ImportError:  # an older Triton: no direct launches
     knobs = driver = None
 
-_PLAIN = (Tensor, torch.nn.Parameter)
+PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 
 
-def is_plain_eager(tensors) -> bool:
-    """Whether launching now is indistinguishable from what tracing would record: no
-    torch.compile, export, dispatch or function mode, or functorch transform is active, and
-    every tensor is a plain one. (Inside a triton_op's eager call all of this holds; the
-    launchers are also called outside the op, by benchmarks and tools.)"""
-    if (
+def intercepted() -> bool:
+    """Whether something traces or intercepts calls now: torch.compile or export, a dispatch
+    or function mode (FakeTensorMode, tracing, profiling modes...), a functorch transform.
+    Calling an implementation directly instead of its op is only right when nothing does."""
+    return (
         torch.compiler.is_compiling()
         or is_in_torch_dispatch_mode()
         or torch._C._is_torch_function_mode_enabled()
         or torch._C._functorch.peek_interpreter_stack() is not None
-    ):
+    )
+
+
+def is_plain_eager(tensors) -> bool:
+    """Whether launching now is indistinguishable from what tracing would record: nothing
+    intercepts calls and every tensor is a plain one. (Inside a triton_op's eager call this
+    holds; the launchers are also called outside the op, by benchmarks and tools.)"""
+    if intercepted():
         return False
-    return all(t is None or (type(t) in _PLAIN and not is_fake(t)) for t in tensors)
+    return all(t is None or (type(t) in PLAIN_TYPES and not is_fake(t)) for t in tensors)
 
 
 class Launcher:

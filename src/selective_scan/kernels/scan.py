@@ -249,8 +249,8 @@ def plan(cfg_fn, *inputs) -> _Plan:
 def _launch(p: _Plan, kernel, grid: tuple, tensors: tuple, scalars: tuple, flags: dict) -> None:
     """kernel[grid](*tensors, *p.args, *scalars, **p.flags, **flags): directly for eager calls
     of a cached plan on CUDA tensors (launch.py), through wrap_triton otherwise (traced, or the
-    interpreter). ``scalars`` and ``flags``
-    are what the launch adds to the plan; they pick its launcher."""
+    interpreter). ``scalars`` and ``flags`` are what the launch adds to the plan; they pick its
+    launcher."""
     options = p.flags | flags  # the launch's flags win
     if p.launchers is None or not tensors[0].is_cuda or not is_plain_eager(tensors[:1]):
         wrap_triton(kernel)[grid](*tensors, *p.args, *scalars, **options)
