@@ -73,7 +73,10 @@ class Launcher:
             self.kernel[self.grid](*tensors, *self.scalars, **self.options)
             return
         device = driver.active.get_current_device()
-        key = (device, *[t is None or t.data_ptr() % 16 == 0 for t in tensors])
+        # Pointers as ints: Triton's launcher then skips a data_ptr() call and a CUDA driver
+        # query per tensor (the plan's checks already put every tensor on this CUDA device).
+        ptrs = [None if t is None else t.data_ptr() for t in tensors]
+        key = (device, *[p is None or p % 16 == 0 for p in ptrs])
         entry = compiled.get(key)
         if entry is None:  # this launch goes through Triton, which compiles or finds the kernel
             entry = self._launch_and_keep(device, tensors)
@@ -82,7 +85,7 @@ class Launcher:
             return
         run, function, metadata, tail = entry
         stream = driver.active.get_current_stream(device)
-        run(*self.grid, stream, function, metadata, None, None, None, *tensors, *tail)
+        run(*self.grid, stream, function, metadata, None, None, None, *ptrs, *tail)
 
     def _launch_and_keep(self, device: int, tensors: tuple) -> tuple | None:
         """Launch through Triton (compiling if needed) and return what a direct launch of the
@@ -99,11 +102,8 @@ class Launcher:
 def _hooks_set() -> bool:
     """Whether a launch hook is set: Triton 3.6 keeps them in HookChains (never None; empty
     when nothing is registered), older versions as plain callables or None."""
-    runtime = knobs.runtime
-    return any(
-        getattr(hook, "calls", hook)
-        for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook)
-    )
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(exit_, "calls", exit_))
 
 
 def _direct_launches_work() -> bool:
