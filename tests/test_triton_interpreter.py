@@ -28,19 +28,24 @@ BOUND = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 2e-2}
 CASES = {
     # 300 steps: three 128-step chunks, cut into ranges (few channels), tail of a tile.
     "ranges-init": dict(seqlen=300, dstate=8, initial_state=True),
+    # Strided in time (channels last), at a multiple of T: the kernels read these strides.
     "float64-constB-groupedC-strided": dict(
-        seqlen=130, dtype=torch.float64, b_form="constant", c_form="grouped", D=False, z=False,
+        seqlen=132, dtype=torch.float64, b_form="constant", c_form="grouped", D=False, z=False,
         delta_bias=False, strided=True,
     ),
+    # Rows that start off multiples of T (views of longer rows): copied into aligned rows.
+    "rows-off-T": dict(seqlen=128, dstate=4, sliced=True),
     "varlen-empty-init": dict(
         batch=1, seqlen=150, cu_seqlens=[0, 10, 10, 64, 131, 150], initial_state=True,
         b_form="grouped", dstate=8,
     ),
     # Packed, 152 steps (a multiple of T = 4): the kernels load whole tiles across the
-    # sequences' boundaries and zero what lies outside each (tile_masks' WIDE loads).
+    # sequences' boundaries and zero what lies outside each (tile_masks' WHOLE loads). The
+    # case above (150 steps) gets rows padded to 152 and loads whole tiles too.
     "varlen-whole-tiles": dict(
         batch=1, seqlen=152, cu_seqlens=[0, 10, 10, 67, 131, 152], initial_state=True, dstate=8,
     ),
+    # 41 steps: rows padded to 48 (T = 8), whole-tile loads.
     "bf16-padded-states-nosoftplus": dict(seqlen=41, dtype=torch.bfloat16, dstate=5,
                                           softplus=False),
     "one-step": dict(seqlen=1, dstate=16, c_form="constant"),
@@ -58,6 +63,7 @@ def test_triton_kernels_match_oracle(name, monkeypatch):
     case = dict(CASES[name])
     softplus = case.pop("softplus", True)
     strided = case.pop("strided", False)
+    sliced = case.pop("sliced", False)
     if case.pop("checked", False):
         monkeypatch.setattr(scan, "align_mode", lambda *sizes: scan.ALIGN_CHECKED)
         monkeypatch.setattr(scan, "_PLANS", {})
@@ -71,6 +77,9 @@ def test_triton_kernels_match_oracle(name, monkeypatch):
             args[k] = leaves[k].transpose(1, 2).contiguous().transpose(1, 2)
         args["A"] = leaves["A"].t().contiguous().t()
         args["C"] = torch.cat([leaves["C"], leaves["C"]], dim=-1)[..., : leaves["C"].shape[-1]]
+    if sliced:  # u, delta, z as the first seqlen steps of rows one step longer
+        for k in ("u", "delta", "z"):
+            args[k] = torch.cat([leaves[k], leaves[k][..., :1]], dim=-1)[..., :-1]
     out, last = selective_scan_fn(**args, delta_softplus=softplus, return_last_state=True)
     gen = torch.Generator().manual_seed(7)
     w = (torch.randn(out.shape, generator=gen, dtype=torch.float64).to(DEVICE),
@@ -122,6 +131,31 @@ def test_align_modes():
     )
     seqlen = next(iter(traced.graph.nodes)).meta["val"].shape[-1]  # a symbolic size
     assert scan.align_mode(8, False, seqlen, 16) == scan.ALIGN_CHECKED
+
+
+@pytest.mark.parametrize(
+    "seqlen, layout, copied, rows, align",
+    [
+        (264, "contiguous", False, 264, scan.ALIGN_DECLARED),  # a multiple of T = 8, not of 16
+        (2049, "contiguous", True, 2056, scan.ALIGN_DECLARED),  # padded rows
+        (2048, "sliced", True, 2048, scan.ALIGN_PLAIN),  # rows of 2049 steps: copied
+        (2048, "channels_last", False, 2048, scan.ALIGN_PLAIN),  # read with its strides
+        (2049, "channels_last", True, 2056, scan.ALIGN_DECLARED),  # padding copies every input
+    ],
+)
+def test_padded_rows(seqlen, layout, copied, rows, align):
+    """Which per-step inputs a launch copies into fresh rows, the rows' length, its ALIGN."""
+    x = make_inputs(device="cpu", batch=2, dim=16, seqlen=seqlen, dtype=torch.bfloat16)
+    if layout == "sliced":
+        x["u"] = torch.randn(2, 16, seqlen + 1, dtype=torch.bfloat16)[..., :seqlen]
+    if layout == "channels_last":
+        x["u"] = x["u"].transpose(1, 2).contiguous().transpose(1, 2)
+    names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
+    p = scan._Plan(scan.config, *[x.get(k) for k in names])
+    assert (p.copied[0], p.rows, p.flags["ALIGN"]) == (copied, rows, align)
+    assert p.flags["WIDE"] == (rows != seqlen)
+    u = p.tensors(*[x.get(k) for k in names])[0]
+    assert torch.equal(u, x["u"]) and (u.stride(1) % 8 == 0 or layout == "channels_last")
 
 
 def test_ranges_only_for_idle_gpus():

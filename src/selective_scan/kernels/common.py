@@ -121,25 +121,27 @@ def row_offset(batch, s_b, ch, s_d, T: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def tile_masks(row_ok, t, start, end, seqlen, T: tl.constexpr, WIDE: tl.constexpr):
+def tile_masks(row_ok, t, start, end, seqlen, T: tl.constexpr, WHOLE: tl.constexpr):
     """(steps of the tile inside [start, end), steps to load). Loads are masked like the steps,
-    except WIDE ones, which read every step of the tile inside the row (t < seqlen: the same
-    for a whole tile when seqlen is a multiple of T) and zero the others afterwards: a packed
-    sequence starts and ends anywhere, and a mask varying inside a tile costs the loads their
-    vector width, and the kernel its in-thread layout of the time axis."""
+    except WHOLE ones, which read every step of each tile that starts inside the row (t below
+    seqlen rounded up to a multiple of T: the same for a whole tile) and zero the others
+    afterwards. A packed sequence starts and ends anywhere, and so does the last tile of a
+    length that is not a multiple of T; a mask varying inside a tile costs the loads their
+    vector width, and the kernel its in-thread layout of the time axis. Rows must hold the
+    rounded-up length (the launcher pads them, see kernels/scan.py)."""
     m = row_ok & (t >= start) & (t < end)
-    if WIDE:  # seqlen is a multiple of T here; written so, Triton knows it too
-        return m, row_ok & (t < (seqlen // T) * T)
+    if WHOLE:  # written so, Triton knows the bound is a multiple of T
+        return m, row_ok & (t < ((seqlen + T - 1) // T) * T)
     return m, m
 
 
 @triton.jit
-def time_tile(base, t, t_stride, mask, load_mask, ACC: tl.constexpr, WIDE: tl.constexpr):
+def time_tile(base, t, t_stride, mask, load_mask, ACC: tl.constexpr, WHOLE: tl.constexpr):
     """Load [BD, NS, T] from base ([BD, NS, 1] pointers) + t ([1, 1, T]) * t_stride, 0 outside
     mask, as ACC (see tile_masks). Bases carry the NS axis even when they don't vary along it
     (u, delta, z), so that every time tile comes out in the same layout: no conversion inside
     the loop."""
-    if WIDE:
+    if WHOLE:
         x = tl.load(base + t * t_stride, mask=load_mask, other=0.0).to(ACC)
         return tl.where(mask, x, 0.0)
     return tl.load(base + t * t_stride, mask=mask, other=0.0).to(ACC)

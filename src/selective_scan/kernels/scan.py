@@ -8,6 +8,8 @@ steps, batch * dim * (ceil(seqlen / CKPT) + 1) * dstate float32 (for CKPT = 128,
 that is 0.5 bytes per (batch, dim, step), a quarter of a bf16 input). The backward's scratch adds
 fp32 partial sums of dB/dC per block of channels: batch * ceil(dim / BD) * dstate * seqlen * 4
 bytes each for variable B/C, and the entry states of the tiles of one chunk per program.
+Lengths that are not a multiple of T (8 steps for 16-bit inputs, 4 for float32) add a padded
+copy of each per-step input and output while a call runs (see `padded`).
 """
 
 from __future__ import annotations
@@ -48,16 +50,60 @@ def _sym_max(a, b):
 ALIGN_PLAIN, ALIGN_DECLARED, ALIGN_CHECKED = 0, 1, 2
 
 
-def align_mode(T: int, varlen: bool, seqlen, *row_strides) -> int:
-    """The ALIGN of a launch whose rows start at multiples of these strides and of seqlen.
-    Packed sequences always want the declaration when it holds: it also lets their kernels
-    load whole tiles (tile_masks in common.py), which Triton's specialization cannot do."""
-    sizes = (seqlen, *row_strides)
+def align_mode(T: int, wide: bool, rows, *row_strides) -> int:
+    """The ALIGN of a launch whose rows hold `rows` steps and start at multiples of these
+    strides. WIDE launches (packed sequences, padded rows) always want the declaration when it
+    holds: only the declaring body loads whole tiles (tile_masks in common.py)."""
+    sizes = (rows, *row_strides)
     if not all(isinstance(v, int) for v in sizes):
         return ALIGN_CHECKED
-    if not all(v % T == 0 for v in sizes) or (all(v % 16 == 0 for v in sizes) and not varlen):
+    if not all(v % T == 0 for v in sizes) or (all(v % 16 == 0 for v in sizes) and not wide):
         return ALIGN_PLAIN
     return ALIGN_DECLARED
+
+
+# The fast layout wants rows of whole T-step vectors (ALIGN above). A known length that is not
+# a multiple of T gets rows padded to the next multiple: the per-step inputs are copied into
+# such rows, outputs are written into them and copied out, and the kernels load whole tiles
+# (WIDE). That is one more pass over each per-step tensor, where the unpadded layout cost the
+# forward 2.3x and the backward 9x at S1's size with 2049 steps (bench/NOTES.md). Inputs that
+# are contiguous in time but whose rows start off multiples of T (views) are copied likewise.
+# Inputs strided in time (channels last) are not: their loads are not vectors along time anyway.
+# Symbolic sizes are never padded: those kernels test their alignment at run time instead.
+
+
+def padded(seqlen, T: int) -> bool:
+    """Whether rows of this length are padded (a known length, not a multiple of T)."""
+    return isinstance(seqlen, int) and seqlen % T != 0
+
+
+def restaged(t: Tensor | None, pad: bool, T: int) -> bool:
+    """Whether the per-step tensor t (batch, dim, seqlen) is copied into fresh rows: always
+    when rows are padded (whole-tile loads read the padding), else when it is contiguous in
+    time with rows that do not start at multiples of T."""
+    if t is None:
+        return False
+    if pad:
+        return True
+    strides = t.stride()
+    if not all(isinstance(s, int) for s in strides):
+        return False
+    return strides[2] == 1 and (strides[0] % T != 0 or strides[1] % T != 0)
+
+
+def staged(t: Tensor, p: _Plan) -> Tensor:
+    """t (batch, dim, seqlen) copied into fresh rows of the plan's row length."""
+    out = new_rows(t, p, t.dtype)
+    out.copy_(t)
+    return out
+
+
+def new_rows(like: Tensor, p: _Plan, dtype: torch.dtype) -> Tensor:
+    """An uninitialized tensor shaped like `like` (batch, dim, seqlen), contiguous, or a view of
+    the first seqlen steps of padded rows when the plan pads."""
+    if not p.pad:
+        return like.new_empty(like.shape, dtype=dtype)
+    return like.new_empty((p.batch, p.dim, p.rows), dtype=dtype)[..., : p.seqlen]
 
 
 def _tl_dtype(dtype: torch.dtype):
@@ -183,31 +229,47 @@ class _Plan:
         self.NP = cfg["NS"] * cfg["NI"]
         self.n_blocks = cdiv(dim, cfg["BD"])
         self.n_ranges, range_len = ranges(cfg, self.num_states, dim, seqlen, cu_seqlens is not None)
+        T = cfg["T"]
+        self.pad = pad = padded(seqlen, T)
+        self.rows = cdiv(seqlen, T) * T if pad else seqlen
+        # Which of u, delta, z are copied into padded rows (see `padded`), and their strides
+        # as the kernels see them.
+        self.copied = [restaged(t, pad, T) for t in (u, delta, z)]
+        u_s, delta_s, z_s = (
+            (dim * self.rows, self.rows, 1) if copy else _strides3(t)
+            for t, copy in zip((u, delta, z), self.copied, strict=True)
+        )
         self.args = (
             dim, seqlen, range_len, self.n_ranges,
-            *u.stride(), *delta.stride(), *_strides3(z), *A.stride(),
+            *u_s, *delta_s, *z_s, *A.stride(),
             bc_tiles(seqlen, cfg["T"]), *_bc_args(B, dim), *_bc_args(C, dim),
             0 if D is None else D.stride(0), 0 if delta_bias is None else delta_bias.stride(0),
             *_strides3(initial_state),
         )  # fmt: skip
-        row_strides = (*u.stride()[:2], *delta.stride()[:2], *_strides3(z)[:2])
+        row_strides = (*u_s[:2], *delta_s[:2], *z_s[:2])
+        wide = cu_seqlens is not None or pad
         self.flags = dict(
             DSTATE=self.dstate, NS=cfg["NS"], NI=cfg["NI"], BD=cfg["BD"], T=cfg["T"], CKPT=CKPT,
             HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
             HAS_H0=initial_state is not None, VARLEN=cu_seqlens is not None,
             B_VAR=B.dim() > 2, C_VAR=C.dim() > 2, ACC=_tl_dtype(cdt), FAST=_fast_math(u, cdt),
             STAGES=cfg["STAGES"], num_warps=cfg["num_warps"],
-            ALIGN=align_mode(cfg["T"], cu_seqlens is not None, seqlen, *row_strides),
+            WIDE=wide, ALIGN=align_mode(T, wide, self.rows, *row_strides),
         )  # fmt: skip
         # Direct launchers (launch.py) of eager calls, by the launch's own arguments; None for
         # plans built while tracing, which launch through wrap_triton.
         self.launchers: dict[tuple, Launcher] | None = None
 
     def tensors(self, u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens) -> tuple:
-        """The kernels' leading tensor arguments: the inputs, variable B/C pre-blocked."""
+        """The kernels' leading tensor arguments: the inputs, variable B/C pre-blocked, per-step
+        inputs in padded rows where the plan says so."""
         T, NP, cdt = self.cfg["T"], self.NP, self.cdt
         Bb = bc_blocks(B, T, NP, cdt) if B.dim() > 2 else B
         Cb = bc_blocks(C, T, NP, cdt) if C.dim() > 2 else C
+        u, delta, z = (
+            staged(t, self) if copy else t
+            for t, copy in zip((u, delta, z), self.copied, strict=True)
+        )
         return u, delta, A, Bb, Cb, D, z, delta_bias, initial_state, cu_seqlens
 
     def launches(self):
@@ -292,7 +354,7 @@ def scan_fwd(
     p = plan(config, *inputs)
     if cu_seqlens is not None and not is_fake(cu_seqlens):  # eager only: reads it to the host
         check_cu_seqlens_values(cu_seqlens, p.seqlen)
-    out = u.new_empty(u.shape)
+    out = new_rows(u, p, u.dtype)
     last = u.new_empty((p.num_states, p.dim, p.dstate), dtype=p.cdt)
     ckpt = u.new_empty((p.batch, p.dim, checkpoint_slots(p.seqlen, CKPT), p.dstate), dtype=p.cdt)
     h_local, dt_sums = _range_buffers(u, p)
@@ -301,7 +363,7 @@ def scan_fwd(
     for local, grid in p.launches():
         _launch(p, _scan_fwd_kernel, grid, tensors, strides,
                 dict(SOFTPLUS=delta_softplus, LOCAL=local))  # fmt: skip
-    return out, last, ckpt
+    return (out.contiguous() if p.pad else out), last, ckpt
 
 
 def _fresh(t: Tensor, like: Tensor) -> Tensor:
@@ -312,14 +374,14 @@ def _fresh(t: Tensor, like: Tensor) -> Tensor:
 
 
 def _reduce_bc_grad(part: Tensor, t: Tensor, dim, dstate) -> Tensor:
-    """dB or dC from per-block partial sums: variable (batch, blocks, NP, seqlen) summed over
+    """dB or dC from per-block partial sums: variable (batch, blocks, NP, rows) summed over
     the blocks of each group; constant (num_states, dim, NP) summed over sequences."""
     if t.dim() == 2:
         return _fresh(part.sum(0)[:, :dstate], t)
-    batch, n_blocks, NP, seqlen = part.shape
+    batch, n_blocks, NP, rows = part.shape
     groups = 1 if t.dim() == 3 else t.shape[1]
-    summed = part.view(batch, groups, n_blocks // groups, NP, seqlen).sum(2)
-    return _fresh(summed[:, :, :dstate], t)
+    summed = part.view(batch, groups, n_blocks // groups, NP, rows).sum(2)
+    return _fresh(summed[:, :, :dstate, : t.shape[-1]], t)
 
 
 def scan_bwd(
@@ -343,51 +405,58 @@ def scan_bwd(
     optional inputs). Deterministic: partial sums are reduced in a fixed order."""
     inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
     p = plan(bwd_config, *inputs)
-    batch, dim, seqlen, dstate, cdt, NP = p.batch, p.dim, p.seqlen, p.dstate, p.cdt, p.NP
+    batch, dim, dstate, cdt, NP = p.batch, p.dim, p.dstate, p.cdt, p.NP
     programs = p.num_states * p.n_ranges  # partial sums are per (sequence, range)
 
-    du = u.new_empty(u.shape)
-    ddelta = delta.new_empty(u.shape)
-    dz = u.new_empty((0,)) if z is None else z.new_empty(u.shape)
+    T = p.cfg["T"]
+    du = new_rows(u, p, u.dtype)
+    ddelta = new_rows(u, p, delta.dtype)
+    dz = u.new_empty((0,)) if z is None else new_rows(u, p, z.dtype)
+    if restaged(dout, p.pad, T):
+        dout = staged(dout, p)
     dA_part = u.new_empty((programs, dim, NP), dtype=cdt)
 
     def bc_part(t):
         if t.dim() == 2:
             return u.new_empty((programs, dim, NP), dtype=cdt)
-        return u.new_empty((batch, p.n_blocks, NP, seqlen), dtype=cdt)
+        return u.new_empty((batch, p.n_blocks, NP, p.rows), dtype=cdt)
 
     dB_part, dC_part = bc_part(B), bc_part(C)
     dD_part = u.new_empty((programs, dim), dtype=cdt)
     dbias_part = u.new_empty((programs, dim), dtype=cdt)
     dh0 = u.new_empty((p.num_states, dim, dstate), dtype=cdt)
     dh_local, dt_sums = _range_buffers(u, p)
-    tiles_per_chunk = CKPT // p.cfg["T"]
+    tiles_per_chunk = CKPT // T
     scratch = u.new_empty((programs * p.n_blocks * tiles_per_chunk * p.cfg["BD"] * NP,), dtype=cdt)
     last_strides = (0, 0, 0) if dlast_state is None else dlast_state.stride()
     tensors = (
         *p.tensors(*inputs), dout, dlast_state, checkpoints, scratch,
         du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, dbias_part, dh0, dh_local, dt_sums,
     )  # fmt: skip
-    scalars = (p.n_blocks, *dout.stride(), *last_strides, *checkpoints.stride()[:3])
-    align = p.flags["ALIGN"]  # the plan checked the inputs' rows; dout's rows count too
-    if align == ALIGN_DECLARED and any(s % p.cfg["T"] for s in dout.stride()[:2]):
-        align = ALIGN_PLAIN
+    scalars = (p.n_blocks, p.rows, *dout.stride(), *last_strides, *checkpoints.stride()[:3])
+    # The plan's ALIGN holds for the inputs' rows; dout's, multiples of T by now, count too.
+    align = p.flags["ALIGN"]
+    if align == ALIGN_PLAIN and any(isinstance(s, int) and s % 16 for s in dout.stride()[:2]):
+        align = ALIGN_DECLARED
     for local, grid in p.launches():
         flags = dict(SOFTPLUS=delta_softplus, HAS_DLAST=dlast_state is not None, LOCAL=local,
                      ALIGN=align)  # fmt: skip
         _launch(p, _scan_bwd_kernel, grid, tensors, scalars, flags)
 
+    def unpadded(t):
+        return t.contiguous() if p.pad else t
+
     def empty():  # one placeholder per absent input: outputs must not alias each other
         return u.new_empty((0,))
 
     return (
-        du,
-        ddelta,
+        unpadded(du),
+        unpadded(ddelta),
         _fresh(dA_part.sum(0)[:, :dstate], A),
         _reduce_bc_grad(dB_part, B, dim, dstate),
         _reduce_bc_grad(dC_part, C, dim, dstate),
         empty() if D is None else _fresh(dD_part.sum(0), D),
-        dz,
+        dz if z is None else unpadded(dz),
         empty() if delta_bias is None else _fresh(dbias_part.sum(0), delta_bias),
         empty() if initial_state is None else _fresh(dh0, initial_state),
     )

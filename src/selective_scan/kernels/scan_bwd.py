@@ -47,26 +47,26 @@ from .common import (
 @triton.jit
 def _tile_inputs(
     dt_row, u_row, t64, s_dt, s_ut, m, lm, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    ACC: tl.constexpr, FAST: tl.constexpr, WIDE: tl.constexpr,
+    ACC: tl.constexpr, FAST: tl.constexpr, WHOLE: tl.constexpr,
 ):  # fmt: skip
     """(delta before softplus, delta, u) of one tile; delta = 0 outside the sequence."""
-    dt_raw = time_tile(dt_row, t64, s_dt, m, lm, ACC, WIDE)
+    dt_raw = time_tile(dt_row, t64, s_dt, m, lm, ACC, WHOLE)
     if HAS_BIAS:
         dt_raw += bias
     dt = dt_raw
     if SOFTPLUS:
         dt = softplus(dt_raw, FAST)
     dt = tl.where(m, dt, 0.0)
-    return dt_raw, dt, time_tile(u_row, t64, s_ut, m, lm, ACC, WIDE)
+    return dt_raw, dt, time_tile(u_row, t64, s_ut, m, lm, ACC, WHOLE)
 
 
 @triton.jit
 def _dy_tile(dout_row, z_row, t64, s_ot, s_zt, m, lm, HAS_Z: tl.constexpr, ACC: tl.constexpr,
-             FAST: tl.constexpr, WIDE: tl.constexpr):  # fmt: skip
+             FAST: tl.constexpr, WHOLE: tl.constexpr):  # fmt: skip
     """(dout, dy = dout * silu(z), z, sigmoid(z)) of one tile (z terms are dout when no z)."""
-    dout = time_tile(dout_row, t64, s_ot, m, lm, ACC, WIDE)
+    dout = time_tile(dout_row, t64, s_ot, m, lm, ACC, WHOLE)
     if HAS_Z:
-        zz = time_tile(z_row, t64, s_zt, m, lm, ACC, WIDE)
+        zz = time_tile(z_row, t64, s_zt, m, lm, ACC, WHOLE)
         sig_z = sigmoid(zz, FAST)
         dy = dout * zz * sig_z
     else:
@@ -95,16 +95,16 @@ def _scan_bwd_body(
     s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An,
     tiles, B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn,
     s_D, s_bias, s_hb, s_hd, s_hn,
-    n_blocks, s_ob, s_od, s_ot, s_lb, s_ld, s_ln, s_kb, s_kd, s_kc,
+    n_blocks, rows, s_ob, s_od, s_ot, s_lb, s_ld, s_ln, s_kb, s_kd, s_kc,
     DSTATE: tl.constexpr, NS: tl.constexpr, NI: tl.constexpr, BD: tl.constexpr,
     T: tl.constexpr, CKPT: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, HAS_DLAST: tl.constexpr, VARLEN: tl.constexpr,
     B_VAR: tl.constexpr, C_VAR: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr,
     STAGES: tl.constexpr, LOCAL: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    WIDE: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
-    WIDE: tl.constexpr = VARLEN and ALIGNED  # load whole tiles (see tile_masks)
+    WHOLE: tl.constexpr = WIDE and ALIGNED  # load whole tiles (see tile_masks)
     seq = tl.program_id(1)
     blk = tl.program_id(0)
     rng = tl.program_id(2)
@@ -118,7 +118,7 @@ def _scan_bwd_body(
     else:
         start = rng * RL
         end = tl.minimum(seqlen, start + RL)
-        if ALIGNED:  # RL is a multiple of CKPT, seqlen one of T: tile masks are uniform
+        if ALIGNED and not WIDE:  # RL is a multiple of CKPT, seqlen one of T: uniform masks
             start = tl.multiple_of(start, T)
             end = tl.multiple_of(end, T)
         seq_start = 0
@@ -163,8 +163,9 @@ def _scan_bwd_body(
     if HAS_Z:
         z_row = z_ptr + row_offset(batch, s_zb, ch64, s_zd, T, ALIGNED)
     dout_row = dout_ptr + row_offset(batch, s_ob, ch64, s_od, T, ALIGNED)
-    # Gradient outputs are contiguous (batch, dim, seqlen), like u (ddelta too).
-    grad_row = row_offset(batch, dim * seqlen, ch64, seqlen, T, ALIGNED)
+    # Gradient outputs are contiguous rows of `rows` steps (batch, dim, rows): seqlen, or
+    # seqlen padded to a multiple of T (see kernels/scan.py).
+    grad_row = row_offset(batch, dim * rows, ch64, rows, T, ALIGNED)
     program = (seq64 * n_ranges + rng) * n_blocks + blk
     scratch = scratch_ptr + (program * (CKPT // T)) * (BD * NP)
     scratch_tile = scratch + (ch64 - blk * BD) * NP + n  # [BD, NS, NI]
@@ -196,11 +197,11 @@ def _scan_bwd_body(
             t0 = first + (n_tiles - 1 - k_rev) * T
             t = t0 + t_idx
             t64 = t.to(tl.int64)
-            m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WIDE)
+            m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WHOLE)
             _, dt, _ = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias, HAS_BIAS,
-                                    SOFTPLUS, ACC, FAST, WIDE)  # fmt: skip
+                                    SOFTPLUS, ACC, FAST, WHOLE)  # fmt: skip
             dt_total += dt
-            _, dy, _, _ = _dy_tile(dout_row, z_row, t64, s_ot, s_zt, m, lm, HAS_Z, ACC, FAST, WIDE)
+            _, dy, _, _ = _dy_tile(dout_row, z_row, t64, s_ot, s_zt, m, lm, HAS_Z, ACC, FAST, WHOLE)
             for i in tl.static_range(NI):
                 a = tl.math.exp2(dt * pick(A2, i_idx, i)[:, :, None])
                 c_i = _bc_tile(C_row, t0, i, t_idx, C_const, i_idx, C_VAR, NP, T, ACC)
@@ -230,9 +231,9 @@ def _scan_bwd_body(
             tl.store(scratch_tile + ((t0 - c * CKPT) // T) * (BD * NP), h)
             t = t0 + t_idx
             t64 = t.to(tl.int64)
-            m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WIDE)
+            m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WHOLE)
             _, dt, uu = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias, HAS_BIAS,
-                                     SOFTPLUS, ACC, FAST, WIDE)  # fmt: skip
+                                     SOFTPLUS, ACC, FAST, WHOLE)  # fmt: skip
             dtu = dt * uu
             for i in tl.static_range(NI):
                 a = tl.math.exp2(dt * pick(A2, i_idx, i)[:, :, None])
@@ -248,12 +249,12 @@ def _scan_bwd_body(
             h_in = tl.load(scratch_tile + ((t0 - c * CKPT) // T) * (BD * NP))
             t = t0 + t_idx
             t64 = t.to(tl.int64)
-            m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WIDE)
+            m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WHOLE)
             dt_raw, dt, uu = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias,
-                                          HAS_BIAS, SOFTPLUS, ACC, FAST, WIDE)  # fmt: skip
+                                          HAS_BIAS, SOFTPLUS, ACC, FAST, WHOLE)  # fmt: skip
             dtu = dt * uu
             dout, dy, zz, sig_z = _dy_tile(
-                dout_row, z_row, t64, s_ot, s_zt, m, lm, HAS_Z, ACC, FAST, WIDE
+                dout_row, z_row, t64, s_ot, s_zt, m, lm, HAS_Z, ACC, FAST, WHOLE
             )
             sum_dhb = tl.zeros([BD, NS, T], ACC)  # sum_n dh B
             sum_adhh = tl.zeros([BD, NS, T], ACC)  # sum_n A2 dh (h - x)
@@ -278,9 +279,9 @@ def _scan_bwd_body(
                 dA_acc = put(dA_acc, i_idx, i, pick(dA_acc, i_idx, i) + tl.sum(dhh * dt, axis=2))
                 db = dh * dtu
                 dc = dy * hs
-                # Rows of this block's partial sums of dB/dC, (batch, blocks, NP, seqlen).
-                part_t = t64 + row_offset(batch * n_blocks + blk, NP * seqlen, lane * NI + i,
-                                          seqlen, T, ALIGNED)  # fmt: skip
+                # Rows of this block's partial sums of dB/dC, (batch, blocks, NP, rows).
+                part_t = t64 + row_offset(batch * n_blocks + blk, NP * rows, lane * NI + i,
+                                          rows, T, ALIGNED)  # fmt: skip
                 if B_VAR:
                     tl.store(
                         dB_ptr + part_t,
@@ -341,14 +342,14 @@ def _scan_bwd_kernel(
     s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An,
     tiles, B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn,
     s_D, s_bias, s_hb, s_hd, s_hn,
-    n_blocks, s_ob, s_od, s_ot, s_lb, s_ld, s_ln, s_kb, s_kd, s_kc,
+    n_blocks, rows, s_ob, s_od, s_ot, s_lb, s_ld, s_ln, s_kb, s_kd, s_kc,
     DSTATE: tl.constexpr, NS: tl.constexpr, NI: tl.constexpr, BD: tl.constexpr,
     T: tl.constexpr, CKPT: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, HAS_DLAST: tl.constexpr, VARLEN: tl.constexpr,
     B_VAR: tl.constexpr, C_VAR: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr,
     STAGES: tl.constexpr, LOCAL: tl.constexpr,
-    ALIGN: tl.constexpr,
+    WIDE: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
     # The body's loads and stores of T-step tiles are 16-byte vectors only where Triton
     # knows that row offsets and range bounds are multiples of T; otherwise it lays the time
@@ -357,9 +358,10 @@ def _scan_bwd_kernel(
     # Inductor passes symbolic sizes with no divisibility (torch.compile(dynamic=True),
     # torch.export with dynamic dims): the kernel then tests the row strides and seqlen (the
     # gradient outputs' rows) at run time (ALIGN 2) and takes the body declaring them if it can.
+    # WIDE: whole-tile loads, as in the forward.
     aligned = ALIGN == 1
     if ALIGN == 2:
-        aligned = ((s_ub | s_ud | s_db | s_dd | s_zb | s_zd | s_ob | s_od | seqlen) % T) == 0
+        aligned = ((s_ub | s_ud | s_db | s_dd | s_zb | s_zd | s_ob | s_od | seqlen | rows) % T) == 0
     if aligned:
         _scan_bwd_body(
             u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
@@ -367,9 +369,9 @@ def _scan_bwd_kernel(
             dB_ptr, dC_ptr, dD_ptr, dbias_ptr, dh0_ptr, dhloc_ptr, dtsum_ptr, dim, seqlen, RL,
             n_ranges, s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An, tiles,
             B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn, s_D, s_bias, s_hb,
-            s_hd, s_hn, n_blocks, s_ob, s_od, s_ot, s_lb, s_ld, s_ln, s_kb, s_kd, s_kc, DSTATE,
-            NS, NI, BD, T, CKPT, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_H0, HAS_DLAST, VARLEN,
-            B_VAR, C_VAR, ACC, FAST, STAGES, LOCAL, True,
+            s_hd, s_hn, n_blocks, rows, s_ob, s_od, s_ot, s_lb, s_ld, s_ln, s_kb, s_kd, s_kc,
+            DSTATE, NS, NI, BD, T, CKPT, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_H0, HAS_DLAST,
+            VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES, LOCAL, WIDE, True,
         )  # fmt: skip
     else:
         _scan_bwd_body(
@@ -378,7 +380,7 @@ def _scan_bwd_kernel(
             dB_ptr, dC_ptr, dD_ptr, dbias_ptr, dh0_ptr, dhloc_ptr, dtsum_ptr, dim, seqlen, RL,
             n_ranges, s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An, tiles,
             B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn, s_D, s_bias, s_hb,
-            s_hd, s_hn, n_blocks, s_ob, s_od, s_ot, s_lb, s_ld, s_ln, s_kb, s_kd, s_kc, DSTATE,
-            NS, NI, BD, T, CKPT, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_H0, HAS_DLAST, VARLEN,
-            B_VAR, C_VAR, ACC, FAST, STAGES, LOCAL, False,
+            s_hd, s_hn, n_blocks, rows, s_ob, s_od, s_ot, s_lb, s_ld, s_ln, s_kb, s_kd, s_kc,
+            DSTATE, NS, NI, BD, T, CKPT, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_H0, HAS_DLAST,
+            VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES, LOCAL, WIDE, False,
         )  # fmt: skip

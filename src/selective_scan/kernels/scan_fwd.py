@@ -54,9 +54,9 @@ def _scan_fwd_body(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, VARLEN: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
     ACC: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr, LOCAL: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    WIDE: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
-    WIDE: tl.constexpr = VARLEN and ALIGNED  # load whole tiles (see tile_masks)
+    WHOLE: tl.constexpr = WIDE and ALIGNED  # load whole tiles (see tile_masks)
     seq = tl.program_id(1)
     rng = tl.program_id(2)
     if VARLEN:  # one range per sequence
@@ -66,7 +66,7 @@ def _scan_fwd_body(
     else:
         start = rng * RL
         end = tl.minimum(seqlen, start + RL)
-        if ALIGNED:  # RL is a multiple of CKPT, seqlen one of T: tile masks are uniform
+        if ALIGNED and not WIDE:  # RL is a multiple of CKPT, seqlen one of T: uniform masks
             start = tl.multiple_of(start, T)
             end = tl.multiple_of(end, T)
         batch = seq.to(tl.int64)
@@ -129,17 +129,17 @@ def _scan_fwd_body(
     for t0 in tl.range((start // T) * T, end, T, num_stages=STAGES):
         t = t0 + t_idx
         t64 = t.to(tl.int64)
-        m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WIDE)  # [BD, 1, T]
+        m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WHOLE)  # [BD, 1, T]
         if not LOCAL and (t0 % CKPT == 0) & (t0 >= start):
             tl.store(ckpt_tile + (t0 // CKPT) * s_kc, h, mask=st_ok)
-        dt = time_tile(dt_row, t64, s_dt, m, lm, ACC, WIDE)
+        dt = time_tile(dt_row, t64, s_dt, m, lm, ACC, WHOLE)
         if HAS_BIAS:
             dt += bias
         if SOFTPLUS:
             dt = softplus(dt, FAST)
         dt = tl.where(m, dt, 0.0)
         dt_total += dt
-        uu = time_tile(u_row, t64, s_ut, m, lm, ACC, WIDE)
+        uu = time_tile(u_row, t64, s_ut, m, lm, ACC, WHOLE)
         dtu = dt * uu
         y = tl.zeros([BD, NS, T], ACC)
         for i in tl.static_range(NI):
@@ -164,7 +164,7 @@ def _scan_fwd_body(
             if HAS_D:
                 out += Dv * uu
             if HAS_Z:
-                zz = time_tile(z_row, t64, s_zt, m, lm, ACC, WIDE)
+                zz = time_tile(z_row, t64, s_zt, m, lm, ACC, WHOLE)
                 out *= zz * sigmoid(zz, FAST)
             tl.store(out_row + t64, out.to(out_ptr.dtype.element_ty), mask=m)
     if LOCAL:
@@ -194,7 +194,7 @@ def _scan_fwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, VARLEN: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
     ACC: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr, LOCAL: tl.constexpr,
-    ALIGN: tl.constexpr,
+    WIDE: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
     # The body's loads and stores of T-step tiles are 16-byte vectors only where Triton
     # knows that row offsets and range bounds are multiples of T; otherwise it lays the time
@@ -202,7 +202,9 @@ def _scan_fwd_kernel(
     # (ALIGN 0, plain body). For other multiples of T the launcher declares them (ALIGN 1).
     # Inductor passes symbolic sizes with no divisibility (torch.compile(dynamic=True),
     # torch.export with dynamic dims): the kernel then tests the row strides and seqlen
-    # at run time (ALIGN 2) and takes the body declaring them when it can.
+    # at run time (ALIGN 2) and takes the body declaring them when it can. WIDE launches
+    # (packed sequences, rows padded to a multiple of T by the launcher) load whole tiles
+    # in the declaring body, and do not declare the range bounds (see tile_masks).
     aligned = ALIGN == 1
     if ALIGN == 2:
         aligned = ((s_ub | s_ud | s_db | s_dd | s_zb | s_zd | s_ob | s_od | seqlen) % T) == 0
@@ -213,7 +215,7 @@ def _scan_fwd_kernel(
             s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An, tiles, B_groups,
             B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn, s_D, s_bias, s_hb, s_hd, s_hn,
             s_ob, s_od, s_kb, s_kd, s_kc, s_lb, s_ld, DSTATE, NS, NI, BD, T, CKPT, HAS_D, HAS_Z,
-            HAS_BIAS, SOFTPLUS, HAS_H0, VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES, LOCAL, True,
+            HAS_BIAS, SOFTPLUS, HAS_H0, VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES, LOCAL, WIDE, True,
         )  # fmt: skip
     else:
         _scan_fwd_body(
@@ -222,5 +224,5 @@ def _scan_fwd_kernel(
             s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An, tiles, B_groups,
             B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn, s_D, s_bias, s_hb, s_hd, s_hn,
             s_ob, s_od, s_kb, s_kd, s_kc, s_lb, s_ld, DSTATE, NS, NI, BD, T, CKPT, HAS_D, HAS_Z,
-            HAS_BIAS, SOFTPLUS, HAS_H0, VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES, LOCAL, False,
+            HAS_BIAS, SOFTPLUS, HAS_H0, VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES, LOCAL, WIDE, False,
         )  # fmt: skip
