@@ -1,6 +1,6 @@
 """GPU benchmark of the Triton selective scan against the anchor figures (H200).
 
-    python bench/gpu_bench.py --out $OUT [--shapes S1,S7] [--quick]
+    python bench/gpu_bench.py --out $OUT [--shapes S1,S7] [--extras seqlen_sweep_S1]
 
 For every shape: forward and backward kernel time (median of triton.testing.do_bench after
 warm-up; inputs rotated so that they never sit in L2), the fraction of the physical floor
@@ -200,8 +200,8 @@ def compile_modes(shape: str = "S1") -> dict:
         with torch.no_grad():
             return selective_scan_fn(**args)
 
-    def train():
-        selective_scan_fn(**args).float().sum().backward()
+    def loss():
+        return selective_scan_fn(**args).float().sum()
 
     def compiled(f, mode: str):
         if mode == "eager":
@@ -211,8 +211,12 @@ def compile_modes(shape: str = "S1") -> dict:
     result = {}
     for mode in ("eager", "static", "dynamic"):
         torch._dynamo.reset()
-        for name, f in (("fwd", fwd), ("fwd_bwd", train)):
-            fn = compiled(f, mode)
+        compiled_loss = compiled(loss, mode)  # Dynamo does not trace .backward(): call it after
+
+        def train(compiled_loss=compiled_loss):
+            compiled_loss().backward()
+
+        for name, fn in (("fwd", compiled(fwd, mode)), ("fwd_bwd", train)):
             fn()
             result[f"{mode}_{name}_ms"] = do_bench(fn, warmup=25, rep=100, return_mode="median")
     return result
@@ -246,11 +250,34 @@ def cold_compile(shape: str = "S1") -> dict:
     return {"fwd_first_call_s": t1 - t0, "bwd_first_call_s": time.perf_counter() - t1}
 
 
+def seqlen_sweep(shape: str = "S1") -> dict:
+    """bench_shape at other lengths; 2049 (padded rows) and 2056 (a multiple of T, not of 16)
+    check the alignment paths (kernels/scan.py)."""
+    result = {}
+    for L in (256, 512, 1024, 2048, 2049, 2056, 4096, 8192):
+        try:
+            result[L] = bench_shape(shape, seqlen=L)
+        except Exception as e:
+            result[L] = {"error": repr(e)}
+    return result
+
+
+EXTRAS = {
+    "modes_S6": bench_modes,
+    "compile_modes_S1": compile_modes,
+    "determinism_S1": determinism,
+    "cold_compile_S1_fp16": cold_compile,
+    "seqlen_sweep_S1": seqlen_sweep,
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--quick", action="store_true", help="shapes only, no extras")
+    parser.add_argument(
+        "--extras", default=",".join(EXTRAS), help="comma-separated extras to run ('' for none)"
+    )
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -264,27 +291,18 @@ def main() -> None:
         "over >= 3x L2; bf16 unless noted; variable B/C, D, z, delta_bias, softplus",
         "shapes": {},
     }
-    for shape in args.shapes.split(","):
+    for shape in filter(None, args.shapes.split(",")):
         try:
             results["shapes"][shape] = bench_shape(shape)
         except Exception as e:  # keep the other shapes' numbers
             results["shapes"][shape] = {"error": repr(e)}
         print(shape, json.dumps(results["shapes"][shape]), flush=True)
-    if not args.quick:
-        for name, fn in (("modes_S6", bench_modes), ("compile_modes_S1", compile_modes),
-                         ("determinism_S1", determinism),
-                         ("cold_compile_S1_fp16", cold_compile)):  # fmt: skip
-            try:
-                results[name] = fn()
-            except Exception as e:
-                results[name] = {"error": repr(e)}
-            print(name, json.dumps(results[name]), flush=True)
-        results["seqlen_sweep_S1"] = {}
-        for L in (256, 512, 1024, 2048, 2049, 2056, 4096, 8192):  # 2049, 2056: see ALIGN
-            try:
-                results["seqlen_sweep_S1"][L] = bench_shape("S1", seqlen=L)
-            except Exception as e:
-                results["seqlen_sweep_S1"][L] = {"error": repr(e)}
+    for name in filter(None, args.extras.split(",")):
+        try:
+            results[name] = EXTRAS[name]()
+        except Exception as e:
+            results[name] = {"error": repr(e)}
+        print(name, json.dumps(results[name]), flush=True)
     (out_dir / "h200.json").write_text(json.dumps(results, indent=1))
     print(
         f"\n{'shape':6} {'fwd ms':>8} {'anchor':>8} {'x':>5} {'floor%':>7} | "
