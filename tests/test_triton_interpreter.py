@@ -158,6 +158,29 @@ def test_padded_rows(seqlen, layout, copied, rows, align):
     assert torch.equal(u, x["u"]) and (u.stride(1) % 8 == 0 or layout == "channels_last")
 
 
+@pytest.mark.parametrize(
+    "seqlen, dout_layout, align",
+    [
+        (264, "contiguous", scan.ALIGN_DECLARED),
+        (264, "channels_last", scan.ALIGN_PLAIN),  # its rows do not start at multiples of T
+        (2048, "contiguous", scan.ALIGN_PLAIN),  # Triton's own specialization
+        (2048, "rows_of_2056", scan.ALIGN_DECLARED),  # multiples of T, not of 16
+        (2048, "channels_last", scan.ALIGN_PLAIN),
+    ],
+)
+def test_backward_align(seqlen, dout_layout, align):
+    """The backward declares aligned rows only when dout's rows are multiples of T too."""
+    x = make_inputs(device="cpu", batch=2, dim=16, seqlen=seqlen, dtype=torch.bfloat16)
+    names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
+    p = scan._Plan(scan.bwd_config, *[x.get(k) for k in names])
+    dout = torch.randn(2, 16, seqlen, dtype=torch.bfloat16)
+    if dout_layout == "channels_last":
+        dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
+    if dout_layout == "rows_of_2056":
+        dout = torch.randn(2, 16, 2056, dtype=torch.bfloat16)[..., :seqlen]
+    assert scan.backward_align(p, dout) == align
+
+
 def test_ranges_only_for_idle_gpus():
     """Sequences are cut into ranges only when few (sequence, channel) pairs exist, never for
     packed sequences, and the ranges cover the sequence in CKPT multiples."""

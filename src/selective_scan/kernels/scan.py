@@ -246,7 +246,7 @@ class _Plan:
             0 if D is None else D.stride(0), 0 if delta_bias is None else delta_bias.stride(0),
             *_strides3(initial_state),
         )  # fmt: skip
-        row_strides = (*u_s[:2], *delta_s[:2], *z_s[:2])
+        self.row_strides = row_strides = (*u_s[:2], *delta_s[:2], *z_s[:2])
         wide = cu_seqlens is not None or pad
         self.flags = dict(
             DSTATE=self.dstate, NS=cfg["NS"], NI=cfg["NI"], BD=cfg["BD"], T=cfg["T"], CKPT=CKPT,
@@ -366,6 +366,12 @@ def scan_fwd(
     return (out.contiguous() if p.pad else out), last, ckpt
 
 
+def backward_align(p: _Plan, dout: Tensor) -> int:
+    """The backward's ALIGN: the plan's, for dout's rows too (declared when the inputs' rows
+    are multiples of 16 but dout's only of T; plain when dout is strided in time)."""
+    return align_mode(p.cfg["T"], p.flags["WIDE"], p.rows, *p.row_strides, *dout.stride()[:2])
+
+
 def _fresh(t: Tensor, like: Tensor) -> Tensor:
     """t as a new contiguous tensor with like's shape and dtype (no aliasing, stable strides)."""
     out = like.new_empty(like.shape)
@@ -434,10 +440,7 @@ def scan_bwd(
         du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, dbias_part, dh0, dh_local, dt_sums,
     )  # fmt: skip
     scalars = (p.n_blocks, p.rows, *dout.stride(), *last_strides, *checkpoints.stride()[:3])
-    # The plan's ALIGN holds for the inputs' rows; dout's, multiples of T by now, count too.
-    align = p.flags["ALIGN"]
-    if align == ALIGN_PLAIN and any(isinstance(s, int) and s % 16 for s in dout.stride()[:2]):
-        align = ALIGN_DECLARED
+    align = backward_align(p, dout)
     for local, grid in p.launches():
         flags = dict(SOFTPLUS=delta_softplus, HAS_DLAST=dlast_state is not None, LOCAL=local,
                      ALIGN=align)  # fmt: skip
