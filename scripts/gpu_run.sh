@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The one device call: GPU tests, the scan benchmark, the decode and varlen benchmarks, the AOTI
-# probe. Results go to $OUT, kept to 5 files (the device tool returns at most 8):
+# probe. Results go to $OUT, kept to 6 files (the device tool returns at most 8):
 #   run.log                                  every stage's output, one after the other
 #   h200.json decode.json varlen.json        the benchmarks' results
 #   aoti_probe.json                          the probe's report (its packages stay outside $OUT)
+#   triton_cache.tgz                         with SAVE_TRITON_CACHE=1: the compiled kernels
 #
 #   scripts/gpu_run.sh [pytest args...]      (run from the repository root)
 #
@@ -41,8 +42,20 @@ tail -1 "$LOG"
 # crashes on the lent machine's image: bench/NOTES.md; scripts/aoti_probe.py records why.)
 STEP_TESTS="tests/test_state_update.py::test_opcheck tests/test_state_update.py::test_compile_fullgraph_matches_eager tests/test_state_update.py::test_triton_kernel_matches_oracle tests/test_state_update.py::test_triton_eager_plans_by_layout"
 TESTS="${TESTS:-$STEP_TESTS tests/test_gpu_models.py tests/test_gpu.py tests/test_triton_interpreter.py tests/test_scan.py tests/test_state_varlen.py tests/test_ops.py tests/test_compile.py}"
+# Compiling the kernels dominates the tests on a fresh machine (40 tests did not finish in
+# 540 s serially, 2026-11-30): tests run in TEST_WORKERS processes where pytest-xdist is
+# installed (it is on the lent image), and a Triton cache packed by an earlier call
+# (SAVE_TRITON_CACHE=1 writes $OUT/triton_cache.tgz; pass it back with carry, at TRITON_CACHE_IN)
+# is unpacked first.
+CACHE_IN="${TRITON_CACHE_IN:-probe/tc.tgz}"
+if [ -f "$CACHE_IN" ]; then
+    mkdir -p ~/.triton && tar xzf "$CACHE_IN" -C ~/.triton && echo "triton cache from $CACHE_IN" >> "$LOG"
+fi
+WORKERS=()
+if python3 -c "import xdist" 2>/dev/null; then WORKERS=(-n "${TEST_WORKERS:-6}"); fi
 # TESTS and the *_ARGS variables are word lists: left unquoted on purpose.
-stage tests "${TEST_TIMEOUT:-150}" 25 python3 -m pytest -q --maxfail=20 -p no:cacheprovider $TESTS "$@"
+stage tests "${TEST_TIMEOUT:-150}" 25 python3 -m pytest -q --maxfail=20 -p no:cacheprovider \
+    --tb=short -rf "${WORKERS[@]}" $TESTS "$@"
 stage bench "${BENCH_TIMEOUT:-180}" 12 python3 bench/gpu_bench.py --out "$OUT" ${BENCH_ARGS:-}
 stage decode "${DECODE_TIMEOUT:-100}" 25 python3 bench/decode_bench.py --out "$OUT" ${DECODE_ARGS:-}
 stage varlen "${VARLEN_TIMEOUT:-90}" 10 python3 bench/varlen_bench.py --out "$OUT" ${VARLEN_ARGS:-}
@@ -55,4 +68,5 @@ cp "$PROBE_DIR/aoti_probe.json" "$OUT/" 2>/dev/null
 # --no-aoti: loading AOTInductor packages crashes on the lent machine's image (see above).
 stage copying "${COPYING_TIMEOUT:-0}" 30 python3 -m selective_scan.copying --device cuda --no-aoti \
     --out "$(mktemp -d)"
+if [ "${SAVE_TRITON_CACHE:-0}" = 1 ]; then tar czf "$OUT/triton_cache.tgz" -C ~/.triton cache; fi
 ls "$OUT"
