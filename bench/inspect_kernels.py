@@ -3,7 +3,7 @@ what costs no device time: registers, spills, shared memory, and a histogram of 
 instructions of each kernel (MUFU = special-function unit, SHFL = lane shuffles, LDG/STG =
 global loads/stores, BAR = barriers).
 
-    python bench/inspect_kernels.py [--shape S1] [--dtype bf16] [--sass out.sass]
+    python bench/inspect_kernels.py [--shape S1] [--dtype bf16] [--seqlen 256] [--out DIR]
 
 The launchers run on CPU tensors of the requested shape with ``wrap_triton`` swapped for a
 recorder, so the kernels are specialised exactly as on the GPU (dtypes, constexprs, 16-byte
@@ -89,6 +89,9 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="override the shape's dtype")
     parser.add_argument("--out", default="/tmp/selective_scan_sass")
     parser.add_argument("--tiles", default="", help="config overrides, e.g. NS=4,num_warps=2")
+    parser.add_argument(
+        "--seqlen", type=int, default=256, help="the code depends on its divisibility only"
+    )
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -102,7 +105,7 @@ def main() -> None:
         scan.config = lambda dim, dstate, dtype, B, C: scan.with_overrides(
             base_config(dim, dstate, dtype, B, C), overrides, dim, B, C
         )
-    inputs = make_bench_inputs(args.shape, device="cpu", dtype=args.dtype, small_seqlen=256)
+    inputs = make_bench_inputs(args.shape, device="cpu", dtype=args.dtype, small_seqlen=args.seqlen)
     out, _, ckpt = scan.scan_fwd(**inputs)
     scan.scan_bwd(
         torch.randn_like(out),
