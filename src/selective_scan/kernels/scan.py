@@ -66,7 +66,7 @@ def align_mode(T: int, wide: bool, rows, *row_strides) -> int:
 # a multiple of T gets rows padded to the next multiple: the per-step inputs are copied into
 # such rows, outputs are written into them and copied out, and the kernels load whole tiles
 # (WIDE). That is one more pass over each per-step tensor, where the unpadded layout cost the
-# forward 2.3x and the backward 9x at S1's size with 2049 steps (bench/NOTES.md). Inputs that
+# forward 3.4x and the backward 9x at S1's size with 2049 steps (bench/NOTES.md). Inputs that
 # are contiguous in time but whose rows start off multiples of T (views) are copied likewise.
 # Inputs strided in time (channels last) are not: their loads are not vectors along time anyway.
 # Symbolic sizes are never padded: those kernels test their alignment at run time instead.
