@@ -158,6 +158,21 @@ def test_padded_rows(seqlen, layout, copied, rows, align):
     assert torch.equal(u, x["u"]) and (u.stride(1) % 8 == 0 or layout == "channels_last")
 
 
+def test_traced_calls_keep_their_rows():
+    """Fake tensors (torch.compile, torch.export) get no padded rows and no copies: only eager
+    calls pad (see kernels/scan.py)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = make_inputs(device="cpu", batch=2, dim=16, seqlen=2049, dtype=torch.bfloat16)
+    x["u"] = torch.randn(2, 16, 2050, dtype=torch.bfloat16)[..., :2049]
+    names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
+    with FakeTensorMode() as mode:
+        fake = [None if x.get(k) is None else mode.from_tensor(x[k]) for k in names]
+        p = scan._Plan(scan.config, *fake)
+    assert (p.pad, p.rows, p.copied, p.flags["WIDE"]) == (False, 2049, [False] * 3, False)
+    assert p.flags["ALIGN"] == scan.ALIGN_PLAIN
+
+
 @pytest.mark.parametrize(
     "seqlen, dout_layout, align",
     [
