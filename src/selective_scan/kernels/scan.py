@@ -99,6 +99,11 @@ def staged(t: Tensor, p: _Plan) -> Tensor:
     return out
 
 
+def unpadded(t: Tensor, p: _Plan) -> Tensor:
+    """An output written by the kernels (see new_rows) as a contiguous tensor."""
+    return t.contiguous() if p.pad else t
+
+
 def new_rows(like: Tensor, p: _Plan, dtype: torch.dtype) -> Tensor:
     """An uninitialized tensor shaped like `like` (batch, dim, seqlen), contiguous, or a view of
     the first seqlen steps of padded rows when the plan pads."""
@@ -364,7 +369,7 @@ def scan_fwd(
     for local, grid in p.launches():
         _launch(p, _scan_fwd_kernel, grid, tensors, strides,
                 dict(SOFTPLUS=delta_softplus, LOCAL=local))  # fmt: skip
-    return (out.contiguous() if p.pad else out), last, ckpt
+    return unpadded(out, p), last, ckpt
 
 
 def backward_align(p: _Plan, dout: Tensor) -> int:
@@ -447,20 +452,17 @@ def scan_bwd(
                      ALIGN=align)  # fmt: skip
         _launch(p, _scan_bwd_kernel, grid, tensors, scalars, flags)
 
-    def unpadded(t):
-        return t.contiguous() if p.pad else t
-
     def empty():  # one placeholder per absent input: outputs must not alias each other
         return u.new_empty((0,))
 
     return (
-        unpadded(du),
-        unpadded(ddelta),
+        unpadded(du, p),
+        unpadded(ddelta, p),
         _fresh(dA_part.sum(0)[:, :dstate], A),
         _reduce_bc_grad(dB_part, B, dim, dstate),
         _reduce_bc_grad(dC_part, C, dim, dstate),
         empty() if D is None else _fresh(dD_part.sum(0), D),
-        dz if z is None else unpadded(dz),
+        dz if z is None else unpadded(dz, p),
         empty() if delta_bias is None else _fresh(dbias_part.sum(0), delta_bias),
         empty() if initial_state is None else _fresh(dh0, initial_state),
     )
