@@ -1,0 +1,95 @@
+"""GPU time of every kernel one scan call launches, per shape and direction (torch.profiler).
+
+    python bench/profile_kernels.py --shapes S1,S3 [--calls 5] [--plain]
+
+Where `gpu_bench.py` reports the sum, this splits a call into its launches (the ranges' local
+pass, the main kernel, the partial-sum reductions, copies of padded rows), which is what a
+change to one of them must be judged by. `--plain` runs each call once without the profiler,
+for an outside profiler such as Nsight Compute (`ncu -k regex:_scan_bwd`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import SHAPES, make_bench_inputs
+
+from selective_scan import ops  # noqa: F401  (registers torch.ops.selective_scan)
+
+OPS = torch.ops.selective_scan
+FWD_ARGS = (
+    "u",
+    "delta",
+    "A",
+    "B",
+    "C",
+    "D",
+    "z",
+    "delta_bias",
+    "initial_state",
+    "cu_seqlens",
+    "delta_softplus",
+)
+
+
+def calls_of(shape: str, seqlen: int | None):
+    """(forward call, backward call) of the Triton ops on the shape's benchmark inputs."""
+    x = make_bench_inputs(shape, small_seqlen=seqlen)
+    out, _, ckpt = OPS.scan_fwd_triton(*[x[k] for k in FWD_ARGS])
+    dout = torch.randn_like(out)
+
+    def fwd():
+        return OPS.scan_fwd_triton(*[x[k] for k in FWD_ARGS])
+
+    def bwd():
+        return OPS.scan_bwd_triton(dout, None, *[x[k] for k in FWD_ARGS[:-1]], ckpt, True)
+
+    return fwd, bwd
+
+
+def per_kernel_us(fn, calls: int) -> list[tuple[str, float]]:
+    """(kernel name, GPU us) of each launch of one call, in launch order (averaged over calls)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    per_call = len(events) // calls
+    rows = [[events[k].name, 0.0] for k in range(per_call)]
+    for k, e in enumerate(events[: per_call * calls]):
+        rows[k % per_call][1] += e.device_time / calls
+    return [(name, us) for name, us in rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="S1,S3")
+    parser.add_argument("--seqlen", type=int, default=None, help="override the shapes' seqlen")
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--plain", action="store_true", help="no profiler: one call each")
+    args = parser.parse_args()
+    for shape in args.shapes.split(","):
+        for direction, fn in zip(("fwd", "bwd"), calls_of(shape, args.seqlen), strict=True):
+            if args.plain:
+                fn()
+                torch.cuda.synchronize()
+                continue
+            rows = per_kernel_us(fn, args.calls)
+            total = sum(us for _, us in rows)
+            print(f"{shape} {direction} {SHAPES[shape]}: {total:.1f} us of kernels per call")
+            for name, us in rows:
+                print(f"    {us:9.1f} us  {name[:90]}")
+
+
+if __name__ == "__main__":
+    main()
