@@ -22,47 +22,12 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import make_backend
-from triton.runtime.jit import create_function_from_signature
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import SHAPES, make_bench_inputs
 
 from selective_scan.kernels import scan
-
-TARGET = GPUTarget("cuda", 90, 32)
-
-
-class _Recorder:
-    """Stands in for torch.library.wrap_triton: records launches instead of running them."""
-
-    def __init__(self):
-        self.launches = []
-
-    def __call__(self, kernel):
-        recorder = self
-
-        class _Launch:
-            def __getitem__(self, grid):
-                def run(*args, **kwargs):
-                    recorder.launches.append((kernel, grid, args, kwargs))
-
-                return run
-
-        return _Launch()
-
-
-def compile_sm90(kernel, args, kwargs):
-    """Compile a JIT kernel for sm_90 with the specialisation these arguments would get."""
-    backend = make_backend(TARGET)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound_args, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(
-        backend, kwargs, bound_args, specialization, options
-    )
-    src = triton.compiler.ASTSource(kernel, signature, constexprs, attrs)
-    return triton.compile(src, target=TARGET, options=options.__dict__)
+from selective_scan.kernels.offline import compile_sm90, record_launches
 
 
 def sass_histogram(cubin: bytes, path: Path) -> collections.Counter:
@@ -96,9 +61,6 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    recorder = _Recorder()
-    scan.wrap_triton = recorder
-    scan._fast_math = lambda u, cdt: cdt == torch.float32  # as on a GPU
     overrides = {k: int(v) for k, v in (kv.split("=") for kv in args.tiles.split(",") if kv)}
     if overrides:
         base_config = scan.config
@@ -106,23 +68,28 @@ def main() -> None:
             base_config(dim, dstate, dtype, B, C), overrides, dim, B, C
         )
     inputs = make_bench_inputs(args.shape, device="cpu", dtype=args.dtype, small_seqlen=args.seqlen)
-    out, _, ckpt = scan.scan_fwd(**inputs)
-    scan.scan_bwd(
-        torch.randn_like(out),
-        None,
-        **{k: v for k, v in inputs.items() if k != "delta_softplus"},
-        checkpoints=ckpt,
-        delta_softplus=inputs["delta_softplus"],
-    )
-    for kernel, grid, kargs, kkwargs in recorder.launches:
+
+    def both_directions():
+        out, _, ckpt = scan.scan_fwd(**inputs)
+        scan.scan_bwd(
+            torch.randn_like(out),
+            None,
+            **{k: v for k, v in inputs.items() if k != "delta_softplus"},
+            checkpoints=ckpt,
+            delta_softplus=inputs["delta_softplus"],
+        )
+
+    launches = record_launches(both_directions)
+    for k, (kernel, grid, kargs, kkwargs) in enumerate(launches):
         compiled = compile_sm90(kernel, kargs, kkwargs)
         md = compiled.metadata
-        hist = sass_histogram(compiled.asm["cubin"], out_dir / f"{kernel.__name__}.cubin")
-        (out_dir / f"{kernel.__name__}.ttgir").write_text(compiled.asm["ttgir"])
-        (out_dir / f"{kernel.__name__}.ptx").write_text(compiled.asm["ptx"])
+        name = f"{k}{kernel.__name__}"  # the ranges' local pass and the main one share a kernel
+        hist = sass_histogram(compiled.asm["cubin"], out_dir / f"{name}.cubin")
+        (out_dir / f"{name}.ttgir").write_text(compiled.asm["ttgir"])
+        (out_dir / f"{name}.ptx").write_text(compiled.asm["ptx"])
         print(
-            f"{kernel.__name__}: warps={md.num_warps} shared={md.shared} grid={grid} "
-            f"{resource_usage(out_dir / f'{kernel.__name__}.cubin')}"
+            f"{name} (LOCAL={kkwargs.get('LOCAL')}): warps={md.num_warps} shared={md.shared} "
+            f"grid={grid} {resource_usage(out_dir / f'{name}.cubin')}"
         )
         top = ", ".join(f"{op}:{n}" for op, n in hist.most_common(40))
         print(f"  SASS ({sum(hist.values())} instructions): {top}")
