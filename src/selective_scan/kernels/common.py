@@ -116,7 +116,10 @@ def row_offset(batch, s_b, ch, s_d, T: tl.constexpr, ALIGNED: tl.constexpr):
     off_d = ch * s_d
     if ALIGNED:  # each term on its own: a sum may be folded away (batch is 0 for packed ones)
         off_b = tl.multiple_of(off_b, T)
-        off_d = tl.multiple_of(off_d, [T, T, T])
+        # A one-element tensor (one channel per program) is folded into a scalar, on which a
+        # three-axis hint fails Triton's compile (AxisInfo assertion); it then goes without.
+        if off_d.numel > 1:
+            off_d = tl.multiple_of(off_d, [T, T, T])
     return off_b + off_d
 
 
