@@ -63,8 +63,8 @@ def bwd_args(inputs: dict, softplus: bool, with_dlast: bool = True) -> tuple:
     """The backward's arguments in schema order, with the checkpoints of a real forward."""
     out, last, checkpoints = FWD(*fwd_args(inputs, softplus))
     gen = torch.Generator().manual_seed(3)
-    dout = torch.randn(out.shape, generator=gen).to(out.dtype)
-    dlast = torch.randn(last.shape, generator=gen).to(last.dtype) if with_dlast else None
+    dout = torch.randn(out.shape, generator=gen).to(out)
+    dlast = torch.randn(last.shape, generator=gen).to(last) if with_dlast else None
     return (dout, dlast, *(inputs[k] for k in INPUTS), checkpoints, softplus)
 
 

@@ -106,7 +106,7 @@ def test_pieces_loss_on_every_state(backend, b_form, c_form, initial_state):
     )
     w_out, w_last = make_weights(inputs)
     gen = torch.Generator().manual_seed(7)
-    w_states = [torch.randn(w_last.shape, generator=gen) for _ in bounds[1:]]
+    w_states = [torch.randn(w_last.shape, generator=gen).to(w_last) for _ in bounds[1:]]
     out, states, grads = run_pieces(selective_scan_fn, inputs, bounds, (w_out, w_states))
     expected_out, expected_states, expected_grads = run_pieces(
         selective_scan_ref,
