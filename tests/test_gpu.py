@@ -237,9 +237,9 @@ def test_compile_dynamic_no_recompile():
 
 @pytest.mark.parametrize("seqlen", [7, 300])  # rows padded to 8 (fp32) and 304 (bf16)
 def test_compile_static_padded_rows(seqlen):
-    """Static shapes that are not multiples of T, compiled: traced calls keep their rows (eager
-    ones pad them, kernels/scan.py), and the compiled gradients match eager's. To try padding
-    under tracing, make kernels/scan.py pad fake tensors too and run this."""
+    """Static shapes that are not multiples of T, compiled: Inductor hands the kernels views
+    into padded rows, as eager calls do (kernels/scan.py), and the compiled gradients match
+    eager's."""
     dtype = torch.float32 if seqlen == 7 else torch.bfloat16
     inputs = make_inputs(device="cuda", batch=2, dim=64, dstate=16, seqlen=seqlen, dtype=dtype)
 

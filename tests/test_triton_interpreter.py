@@ -158,19 +158,42 @@ def test_padded_rows(seqlen, layout, copied, rows, align):
     assert torch.equal(u, x["u"]) and (u.stride(1) % 8 == 0 or layout == "channels_last")
 
 
-def test_traced_calls_keep_their_rows():
-    """Fake tensors (torch.compile, torch.export) get no padded rows and no copies: only eager
-    calls pad (see kernels/scan.py)."""
+def test_traced_calls_pad_known_lengths_only():
+    """Fake tensors (torch.compile, torch.export) of a known odd length get padded rows, as
+    eager calls do; with a symbolic length they keep their rows, guard on nothing, and leave
+    the alignment to the kernels' run-time check. Misaligned views are copied in eager calls
+    only (a traced view's strides may be symbolic)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     x = make_inputs(device="cpu", batch=2, dim=16, seqlen=2049, dtype=torch.bfloat16)
-    x["u"] = torch.randn(2, 16, 2050, dtype=torch.bfloat16)[..., :2049]
     names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
     with FakeTensorMode() as mode:
         fake = [None if x.get(k) is None else mode.from_tensor(x[k]) for k in names]
         p = scan._Plan(scan.config, *fake)
-    assert (p.pad, p.rows, p.copied, p.flags["WIDE"]) == (False, 2049, [False] * 3, False)
-    assert p.flags["ALIGN"] == scan.ALIGN_PLAIN
+    assert (p.pad, p.rows, p.copied, p.flags["WIDE"]) == (True, 2056, [True] * 3, True)
+    assert p.flags["ALIGN"] == scan.ALIGN_DECLARED
+
+    x = make_inputs(device="cpu", batch=2, dim=16, seqlen=2048, dtype=torch.bfloat16)
+    x["u"] = torch.randn(2, 16, 2049, dtype=torch.bfloat16)[..., :2048]  # rows off T
+    with FakeTensorMode() as mode:
+        fake = [None if x.get(k) is None else mode.from_tensor(x[k]) for k in names]
+        p = scan._Plan(scan.config, *fake)
+    assert (p.pad, p.copied) == (False, [False] * 3)
+
+    plans = []
+
+    def symbolic_plan(u, delta, A, B, C, D, z, delta_bias):
+        plans.append(scan._Plan(scan.config, u, delta, A, B, C, D, z, delta_bias, None, None))
+        return u.new_empty(())
+
+    x = make_inputs(device="cpu", batch=2, dim=16, seqlen=37, dtype=torch.bfloat16)
+    graph = make_fx(symbolic_plan, tracing_mode="symbolic")(*[x[k] for k in names[:8]])
+    u = next(iter(graph.graph.nodes)).meta["val"]
+    assert (plans[0].pad, plans[0].copied, plans[0].flags["WIDE"]) == (False, [False] * 3, False)
+    assert plans[0].flags["ALIGN"] == scan.ALIGN_CHECKED
+    # (The tile choice guards on dstate's power of two; nothing may guard on the length.)
+    seqlen = u.shape[-1].node.expr.free_symbols
+    assert not [g.expr for g in u.fake_mode.shape_env.guards if g.expr.free_symbols & seqlen]
 
 
 @pytest.mark.parametrize(

@@ -69,10 +69,10 @@ def align_mode(T: int, wide: bool, rows, *row_strides) -> int:
 # forward 3.4x and the backward 9x at S1's size with 2049 steps (bench/NOTES.md). Inputs that
 # are contiguous in time but whose rows start off multiples of T (views) are copied likewise.
 # Inputs strided in time (channels last) are not: their loads are not vectors along time anyway.
-# Eager calls only: traced calls (torch.compile, torch.export) keep their rows, as before, until
-# Inductor has been seen on the GPU passing views into padded rows to the kernels
-# (test_gpu.py::test_compile_static_padded_rows); with symbolic sizes the kernels test their
-# alignment at run time instead.
+# Traced calls (torch.compile, torch.export) pad too when the length is a known int; with a
+# symbolic length they keep their rows (padding would guard on seqlen % T) and the kernels
+# test their alignment at run time instead. The copy of misaligned views is for eager calls
+# only: a traced view's strides may be symbolic too.
 
 
 def padded(seqlen, T: int) -> bool:
@@ -84,10 +84,12 @@ def restaged(t: Tensor | None, pad: bool, T: int) -> bool:
     """Whether the per-step tensor t (batch, dim, seqlen) is copied into fresh rows: always
     when rows are padded (whole-tile loads read the padding), else when it is a real tensor
     contiguous in time with rows that do not start at multiples of T."""
-    if t is None or is_fake(t):
+    if t is None:
         return False
     if pad:
         return True
+    if is_fake(t):
+        return False
     strides = t.stride()
     return strides[2] == 1 and (strides[0] % T != 0 or strides[1] % T != 0)
 
@@ -236,7 +238,7 @@ class _Plan:
         self.n_blocks = cdiv(dim, cfg["BD"])
         self.n_ranges, range_len = ranges(cfg, self.num_states, dim, seqlen, cu_seqlens is not None)
         T = cfg["T"]
-        self.pad = pad = padded(seqlen, T) and not is_fake(u)  # eager calls only (see padded)
+        self.pad = pad = padded(seqlen, T)
         self.rows = cdiv(seqlen, T) * T if pad else seqlen
         # Which of u, delta, z are copied into padded rows (see `padded`), and their strides
         # as the kernels see them.
