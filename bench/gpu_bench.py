@@ -29,6 +29,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_kernels import per_kernel_us
 from report import guarded
 from shapes import ANCHORS_MS, SHAPES, make_bench_inputs
 
@@ -96,15 +97,7 @@ fwd_compiled = torch.compile(_public_fwd, dynamic=True, fullgraph=True)
 def kernel_ms(fn, calls: int = 5) -> float:
     """GPU time per call summed over all kernels it launches (torch.profiler), without the
     host's share: what a CUDA-graph replay of the call would cost, launch gaps aside."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    total_us = sum(e.device_time_total for e in prof.key_averages()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)  # fmt: skip
-    return total_us / calls / 1e3
+    return sum(us for _, us in per_kernel_us(fn, calls)) / 1e3
 
 
 def bench_shape(shape: str, seqlen=None) -> dict:

@@ -12,46 +12,19 @@ import pytest
 
 pytest.importorskip("triton")
 
+GROUPED = dict(b_form="grouped", c_form="grouped", groups=2)
 # make_inputs arguments (dtype by name).
 CASES = [
-    # One channel per program (dim / groups odd) and one step tile: the 2026-11-30 crash
-    # (Triton's AxisInfo assertion on a hint over a one-element tensor).
-    dict(
-        batch=2,
-        dim=2,
-        dstate=2,
-        seqlen=4,
-        groups=2,
-        b_form="grouped",
-        c_form="grouped",
-        dtype="float64",
-    ),
-    dict(
-        batch=1,
-        dim=6,
-        dstate=1,
-        seqlen=12,
-        groups=2,
-        b_form="grouped",
-        c_form="variable",
-        dtype="float32",
-        z=False,
-        initial_state=True,
-    ),
-    # Rows declared aligned (a multiple of T, not of 16) with constant B/C.
-    dict(
-        batch=2,
-        dim=16,
-        dstate=16,
-        seqlen=264,
-        b_form="constant",
-        c_form="constant",
-        dtype="float16",
-    ),
+    # One channel per program (channels per group odd), one tile: the 2026-11-30 crash (Triton's
+    # AxisInfo assertion on a hint over a one-element tensor), in float64 and with dstate 1.
+    {**GROUPED, "batch": 2, "dim": 2, "dstate": 2, "seqlen": 4, "dtype": "float64"},
+    {**GROUPED, "batch": 1, "dim": 6, "dstate": 1, "seqlen": 12, "dtype": "float32", "z": False},
+    # Rows declared aligned (a multiple of T, not of 16), constant B/C.
+    dict(dim=16, dstate=16, seqlen=264, b_form="constant", c_form="constant", dtype="float16"),
     # Padded rows (an odd length) and packed sequences with an odd total.
     dict(batch=1, dim=32, dstate=16, seqlen=37, dtype="bfloat16", cu_seqlens=[0, 5, 5, 37]),
     # Sequence ranges: both launches (local pass and main pass) of each direction.
-    dict(batch=1, dim=8, dstate=16, seqlen=1024, dtype="bfloat16", D=False, delta_bias=False),
+    dict(batch=1, dim=8, dstate=16, seqlen=1024, dtype="bfloat16", initial_state=True),
 ]
 
 
