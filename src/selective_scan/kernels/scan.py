@@ -263,7 +263,8 @@ class _Plan:
             B_VAR=B.dim() > 2, C_VAR=C.dim() > 2, ACC=_tl_dtype(cdt), FAST=_fast_math(u, cdt),
             STAGES=cfg["STAGES"], num_warps=cfg["num_warps"],
             WIDE=wide, ALIGN=align_mode(T, wide, self.rows, *row_strides),
-            **{k: cfg[k] for k in ("maxnreg",) if k in cfg},
+            # A register cap only as a tuning override (bench/tune_gpu.py, eager calls).
+            **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}),
         )  # fmt: skip
         # Direct launchers (launch.py) of eager calls, by the launch's own arguments; None for
         # plans built while tracing, which launch through wrap_triton.
