@@ -22,19 +22,8 @@ from shapes import SHAPES, make_bench_inputs
 from selective_scan import ops  # noqa: F401  (registers torch.ops.selective_scan)
 
 OPS = torch.ops.selective_scan
-FWD_ARGS = (
-    "u",
-    "delta",
-    "A",
-    "B",
-    "C",
-    "D",
-    "z",
-    "delta_bias",
-    "initial_state",
-    "cu_seqlens",
-    "delta_softplus",
-)
+FWD_ARGS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens",
+            "delta_softplus")  # fmt: skip
 
 
 def calls_of(shape: str, seqlen: int | None):

@@ -3,10 +3,9 @@
     python bench/tune_gpu.py --shapes S1,S7 --configs "NS=1;NS=2;NS=1,STAGES=2" [--which fwd,bwd]
 
 Each configuration is a set of overrides of the forward's tiles (kernels.scan.config: T, NS,
-NI, CH, num_warps, STAGES, and maxnreg: a register cap per thread, passed to Triton's compiler)
-and, with a "b." prefix, the backward's (kernels.scan.bwd_config),
-plus TW for scan.TARGET_WARPS. Prints one line per (shape, direction, configuration): median ms
-(do_bench).
+NI, CH, num_warps, STAGES, and maxnreg, a register cap passed to Triton's compiler) and, with a
+"b." prefix, the backward's (kernels.scan.bwd_config), plus TW for scan.TARGET_WARPS. Prints one
+line per (shape, direction, configuration): median ms (do_bench).
 """
 
 from __future__ import annotations
