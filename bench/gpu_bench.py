@@ -31,7 +31,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_kernels import per_kernel_us
 from report import guarded
-from shapes import ANCHORS_MS, SHAPES, make_bench_inputs
+from shapes import ANCHORS_MS, FWD_ARGS, SHAPES, make_bench_inputs
 
 import selective_scan  # noqa: F401  (registers the ops)
 from selective_scan import selective_scan_fn, selective_scan_ref
@@ -41,8 +41,6 @@ EXP_RATE = 4.15e12  # ex2/s, measured MUFU rate on the H200 (anchors.md)
 L2_BYTES = 60e6
 
 OPS = torch.ops.selective_scan
-FWD_ARGS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens",
-            "delta_softplus")  # fmt: skip
 
 
 def floors_ms(shape: str, dtype: torch.dtype) -> tuple[float, float]:

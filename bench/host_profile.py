@@ -20,12 +20,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import make_bench_inputs
+from shapes import SCAN_INPUTS, make_bench_inputs
 
 from selective_scan import selective_scan_fn
 from selective_scan.kernels import scan
-
-FWD_ARGS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
 
 
 def host_us(fn, calls: int) -> float:
@@ -50,7 +48,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
     x = make_bench_inputs(args.shape)
-    inputs = [x[k] for k in FWD_ARGS]
+    inputs = [x[k] for k in SCAN_INPUTS]
     out, _, ckpt = scan.scan_fwd(*inputs, True)
     dout = torch.randn_like(out)
     public = {k: x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")}

@@ -17,13 +17,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import SHAPES, make_bench_inputs
+from shapes import FWD_ARGS, SHAPES, make_bench_inputs
 
 from selective_scan import ops  # noqa: F401  (registers torch.ops.selective_scan)
 
 OPS = torch.ops.selective_scan
-FWD_ARGS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens",
-            "delta_softplus")  # fmt: skip
 
 
 def calls_of(shape: str, seqlen: int | None):

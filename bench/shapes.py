@@ -26,6 +26,10 @@ ANCHORS_MS = {
     "S7": (1.447, 5.709),
 }
 
+# The scan ops' inputs in schema order (make_bench_inputs' keys), then the softplus flag.
+SCAN_INPUTS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
+FWD_ARGS = (*SCAN_INPUTS, "delta_softplus")
+
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

@@ -18,11 +18,9 @@ import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import make_bench_inputs
+from shapes import SCAN_INPUTS, make_bench_inputs
 
 from selective_scan.kernels import scan
-
-FWD_ARGS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
 
 
 def parse(config: str) -> dict:
@@ -55,7 +53,7 @@ def main() -> None:
     args = parser.parse_args()
     for shape in args.shapes.split(","):
         x = make_bench_inputs(shape)
-        inputs = [x[k] for k in FWD_ARGS]
+        inputs = [x[k] for k in SCAN_INPUTS]
         for config in args.configs.split(";"):
             use_config(parse(config))
             try:
