@@ -20,14 +20,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import SHAPES, make_bench_inputs
 
 from selective_scan.kernels import scan
-from selective_scan.kernels.offline import compile_sm90, record_launches
+from selective_scan.kernels.offline import compile_sm90, scan_launches
 
 
 def sass_histogram(cubin: bytes, path: Path) -> collections.Counter:
@@ -69,17 +68,8 @@ def main() -> None:
         )
     inputs = make_bench_inputs(args.shape, device="cpu", dtype=args.dtype, small_seqlen=args.seqlen)
 
-    def both_directions():
-        out, _, ckpt = scan.scan_fwd(**inputs)
-        scan.scan_bwd(
-            torch.randn_like(out),
-            None,
-            **{k: v for k, v in inputs.items() if k != "delta_softplus"},
-            checkpoints=ckpt,
-            delta_softplus=inputs["delta_softplus"],
-        )
-
-    launches = record_launches(both_directions)
+    softplus = inputs.pop("delta_softplus")
+    launches = scan_launches(inputs, softplus)
     for k, (kernel, grid, kargs, kkwargs) in enumerate(launches):
         compiled = compile_sm90(kernel, kargs, kkwargs)
         md = compiled.metadata

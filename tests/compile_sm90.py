@@ -13,22 +13,15 @@ import sys
 import torch
 from helpers import make_inputs
 
-from selective_scan.kernels import scan
-from selective_scan.kernels.offline import compile_sm90, record_launches
+from selective_scan.kernels.offline import compile_sm90, scan_launches
 
 
 def compile_case(case: dict) -> list[str]:
     """Compile every launch of a forward and a backward of the case; the kernels' names."""
     kwargs = dict(case, dtype=getattr(torch, case["dtype"]), device="cpu")
     inputs = make_inputs(**kwargs)
-
-    def both_directions():
-        out, _, checkpoints = scan.scan_fwd(**inputs, delta_softplus=True)
-        scan.scan_bwd(torch.randn_like(out), None, **inputs, checkpoints=checkpoints,
-                      delta_softplus=True)  # fmt: skip
-
     names = []
-    for kernel, _, args, kwargs in record_launches(both_directions):
+    for kernel, _, args, kwargs in scan_launches(inputs, delta_softplus=True):
         compile_sm90(kernel, args, kwargs)
         names.append(f"{kernel.__name__}(LOCAL={kwargs['LOCAL']})")
     return names

@@ -48,6 +48,18 @@ def record_launches(run: Callable[[], object]) -> list[tuple]:
     return launches
 
 
+def scan_launches(inputs: dict, delta_softplus: bool) -> list[tuple]:
+    """The launches (see record_launches) of a forward and a backward of the scan on these CPU
+    inputs (the scan ops' keyword names, u to cu_seqlens)."""
+
+    def both_directions():
+        out, _, checkpoints = scan.scan_fwd(**inputs, delta_softplus=delta_softplus)
+        scan.scan_bwd(torch.randn_like(out), None, **inputs, checkpoints=checkpoints,
+                      delta_softplus=delta_softplus)  # fmt: skip
+
+    return record_launches(both_directions)
+
+
 def compile_sm90(kernel, args: tuple, kwargs: dict):
     """Compile a JIT kernel for sm_90 with the specialization these arguments would get;
     returns Triton's CompiledKernel (``.asm["cubin"]``, ``.metadata``)."""
