@@ -250,14 +250,14 @@ class _Plan:
         self.args = (
             dim, seqlen, range_len, self.n_ranges,
             *u_s, *delta_s, *z_s, *A.stride(),
-            bc_tiles(seqlen, cfg["T"]), *_bc_args(B, dim), *_bc_args(C, dim),
+            bc_tiles(seqlen, T), *_bc_args(B, dim), *_bc_args(C, dim),
             0 if D is None else D.stride(0), 0 if delta_bias is None else delta_bias.stride(0),
             *_strides3(initial_state),
         )  # fmt: skip
         self.row_strides = row_strides = (*u_s[:2], *delta_s[:2], *z_s[:2])
         wide = cu_seqlens is not None or pad
         self.flags = dict(
-            DSTATE=self.dstate, NS=cfg["NS"], NI=cfg["NI"], BD=cfg["BD"], T=cfg["T"], CKPT=CKPT,
+            DSTATE=self.dstate, NS=cfg["NS"], NI=cfg["NI"], BD=cfg["BD"], T=T, CKPT=CKPT,
             HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
             HAS_H0=initial_state is not None, VARLEN=cu_seqlens is not None,
             B_VAR=B.dim() > 2, C_VAR=C.dim() > 2, ACC=_tl_dtype(cdt), FAST=_fast_math(u, cdt),
