@@ -61,11 +61,8 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     overrides = {k: int(v) for k, v in (kv.split("=") for kv in args.tiles.split(",") if kv)}
-    if overrides:
-        base_config = scan.config
-        scan.config = lambda dim, dstate, dtype, B, C: scan.with_overrides(
-            base_config(dim, dstate, dtype, B, C), overrides, dim, B, C
-        )
+    for name in ("config", "bwd_config") if overrides else ():
+        setattr(scan, name, scan.overridden(getattr(scan, name), overrides))
     inputs = make_bench_inputs(args.shape, device="cpu", dtype=args.dtype, small_seqlen=args.seqlen)
 
     softplus = inputs.pop("delta_softplus")

@@ -33,11 +33,7 @@ def use_config(overrides: dict) -> None:
     fwd = {k: v for k, v in overrides.items() if "." not in k and k != "TW"}
     bwd = {k[2:]: v for k, v in overrides.items() if k.startswith("b.")}
     for name, chosen in (("config", fwd), ("bwd_config", bwd)):
-
-        def tiles(dim, dstate, dtype, B, C, default=DEFAULTS[name], chosen=chosen):
-            return scan.with_overrides(default(dim, dstate, dtype, B, C), chosen, dim, B, C)
-
-        setattr(scan, name, tiles)
+        setattr(scan, name, scan.overridden(DEFAULTS[name], chosen))
     scan._PLANS.clear()
 
 

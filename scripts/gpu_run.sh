@@ -46,7 +46,8 @@ TESTS="${TESTS:-$STEP_TESTS tests/test_gpu_models.py tests/test_gpu.py tests/tes
 # 540 s serially, 2026-11-30): tests run in TEST_WORKERS processes where pytest-xdist is
 # installed (it is on the lent image), and a Triton cache packed by an earlier call
 # (SAVE_TRITON_CACHE=1 writes $OUT/triton_cache.tgz; pass it back with carry, at TRITON_CACHE_IN)
-# is unpacked first.
+# is unpacked first. -v logs each result as it comes: a stage cut by its timeout still names
+# its failures.
 CACHE_IN="${TRITON_CACHE_IN:-probe/tc.tgz}"
 if [ -f "$CACHE_IN" ]; then
     mkdir -p ~/.triton && tar xzf "$CACHE_IN" -C ~/.triton && echo "triton cache from $CACHE_IN" >> "$LOG"
@@ -54,7 +55,7 @@ fi
 WORKERS=()
 if python3 -c "import xdist" 2>/dev/null; then WORKERS=(-n "${TEST_WORKERS:-6}"); fi
 # TESTS and the *_ARGS variables are word lists: left unquoted on purpose.
-stage tests "${TEST_TIMEOUT:-150}" 25 python3 -m pytest -q --maxfail=20 -p no:cacheprovider \
+stage tests "${TEST_TIMEOUT:-150}" 25 python3 -m pytest -v --maxfail=20 -p no:cacheprovider \
     --tb=short -rf "${WORKERS[@]}" $TESTS "$@"
 stage bench "${BENCH_TIMEOUT:-180}" 12 python3 bench/gpu_bench.py --out "$OUT" ${BENCH_ARGS:-}
 stage decode "${DECODE_TIMEOUT:-100}" 25 python3 bench/decode_bench.py --out "$OUT" ${DECODE_ARGS:-}

@@ -134,16 +134,21 @@ def test_align_modes():
 
 
 @pytest.mark.parametrize(
-    "seqlen, layout, copied, rows, align",
+    "tiles, seqlen, layout, copied, rows, align",
     [
-        (264, "contiguous", False, 264, scan.ALIGN_DECLARED),  # a multiple of T = 8, not of 16
-        (2049, "contiguous", True, 2056, scan.ALIGN_DECLARED),  # padded rows
-        (2048, "sliced", True, 2048, scan.ALIGN_PLAIN),  # rows of 2049 steps: copied
-        (2048, "channels_last", False, 2048, scan.ALIGN_PLAIN),  # read with its strides
-        (2049, "channels_last", True, 2056, scan.ALIGN_DECLARED),  # padding copies every input
+        # The backward's tiles: T = 8 steps of bf16.
+        ("bwd_config", 264, "contiguous", False, 264, scan.ALIGN_DECLARED),  # 8 | 264, 16 does not
+        ("bwd_config", 2049, "contiguous", True, 2056, scan.ALIGN_DECLARED),  # padded rows
+        ("bwd_config", 2048, "sliced", True, 2048, scan.ALIGN_PLAIN),  # rows of 2049: copied
+        ("bwd_config", 2048, "channels_last", False, 2048, scan.ALIGN_PLAIN),  # its strides
+        ("bwd_config", 2049, "channels_last", True, 2056, scan.ALIGN_DECLARED),  # all copied
+        # The forward's: T = 16.
+        ("config", 264, "contiguous", True, 272, scan.ALIGN_DECLARED),
+        ("config", 2056, "contiguous", True, 2064, scan.ALIGN_DECLARED),  # 8 | 2056, 16 does not
+        ("config", 2048, "contiguous", False, 2048, scan.ALIGN_PLAIN),
     ],
 )
-def test_padded_rows(seqlen, layout, copied, rows, align):
+def test_padded_rows(tiles, seqlen, layout, copied, rows, align):
     """Which per-step inputs a launch copies into fresh rows, the rows' length, its ALIGN."""
     x = make_inputs(device="cpu", batch=2, dim=16, seqlen=seqlen, dtype=torch.bfloat16)
     if layout == "sliced":
@@ -151,11 +156,12 @@ def test_padded_rows(seqlen, layout, copied, rows, align):
     if layout == "channels_last":
         x["u"] = x["u"].transpose(1, 2).contiguous().transpose(1, 2)
     names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
-    p = scan._Plan(scan.config, *[x.get(k) for k in names])
+    p = scan._Plan(getattr(scan, tiles), *[x.get(k) for k in names])
     assert (p.copied[0], p.rows, p.flags["ALIGN"]) == (copied, rows, align)
     assert p.flags["WIDE"] == (rows != seqlen)
     u = p.tensors(*[x.get(k) for k in names])[0]
-    assert torch.equal(u, x["u"]) and (u.stride(1) % 8 == 0 or layout == "channels_last")
+    T = p.cfg["T"]
+    assert torch.equal(u, x["u"]) and (u.stride(1) % T == 0 or layout == "channels_last")
 
 
 def test_traced_calls_pad_known_lengths_only():
@@ -170,7 +176,7 @@ def test_traced_calls_pad_known_lengths_only():
     with FakeTensorMode() as mode:
         fake = [None if x.get(k) is None else mode.from_tensor(x[k]) for k in names]
         p = scan._Plan(scan.config, *fake)
-    assert (p.pad, p.rows, p.copied, p.flags["WIDE"]) == (True, 2056, [True] * 3, True)
+    assert (p.pad, p.rows, p.copied, p.flags["WIDE"]) == (True, 2064, [True] * 3, True)
     assert p.flags["ALIGN"] == scan.ALIGN_DECLARED
 
     x = make_inputs(device="cpu", batch=2, dim=16, seqlen=2048, dtype=torch.bfloat16)

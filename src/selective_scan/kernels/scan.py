@@ -157,24 +157,40 @@ def _strides3(t: Tensor | None) -> tuple:
     return (0, 0, 0) if t is None else tuple(t.stride())
 
 
-def config(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor) -> dict:
-    """Tiles: T steps per thread (one 128-bit vector of the input dtype); the padded states
-    split as NS lanes x NI per thread; CH channels per thread, so a program (num_warps warps)
-    covers BD = CH * (32 / NS) * num_warps channels. For variable B/C, BD divides the channels of
-    a group, so that a program's B/C tiles and dB/dC partial sums belong to one group."""
+def _tiles(dim, dstate, B: Tensor, C: Tensor, T: int, NS: int) -> dict:
+    """T steps per thread; the padded states split as NS lanes x NI per thread; CH channels per
+    thread, so a program (num_warps warps) covers BD = CH * (32 / NS) * num_warps channels. For
+    variable B/C, BD divides the channels of a group, so that a program's B/C tiles and dB/dC
+    partial sums belong to one group."""
     n_pad = triton.next_power_of_2(dstate)
-    # Measured on the H200 (bench/NOTES.md): 4 lanes per channel were the fastest or within 3%
-    # of it in both directions: the extra warps hide the latency of the in-order loop better
-    # than fewer redundant per-step instructions would save.
-    NS = min(4, n_pad)
-    cfg = dict(T=max(16 // dtype.itemsize, 4), NS=NS,
-               NI=n_pad // NS, CH=1, num_warps=1, STAGES=3)  # fmt: skip
+    NS = min(NS, n_pad)
+    cfg = dict(T=T, NS=NS, NI=n_pad // NS, CH=1, num_warps=1, STAGES=3)
     return _derive_block(cfg, dim, B, C)
 
 
-def bwd_config(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor) -> dict:
-    """Tiles of the backward: the forward's (measured best so far, bench/NOTES.md)."""
-    return config(dim, dstate, dtype, B, C)
+def config(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor, num_states=1) -> dict:
+    """Tiles of the forward (measured on the H200, bench/NOTES.md, session 6). T = 16 steps per
+    thread (two 16-byte vectors of a 16-bit input, four of float32; 8 steps in float64): 10%
+    fewer instructions per step than 8 for bf16, 28% for float32 (S1 0.317 -> 0.272 ms, S4
+    0.673 -> 0.299). 4 lanes per channel, or 2 where programs of 2-lane channels still give
+    TARGET_WARPS warps (S5, S7: 7-8% faster; S1, S2: 13-30% slower with 2). A symbolic batch
+    (torch.compile(dynamic=True), torch.export) gets 4 lanes: choosing would guard on it."""
+    T = 16 if dtype.itemsize <= 4 else 8
+    narrow = _tiles(dim, dstate, B, C, T, NS=2)
+    sizes = (num_states, dim)
+    if (
+        all(isinstance(v, int) for v in sizes)
+        and num_states * cdiv(dim, narrow["BD"]) >= TARGET_WARPS
+    ):
+        return narrow
+    return _tiles(dim, dstate, B, C, T, NS=4)
+
+
+def bwd_config(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor, num_states=1) -> dict:
+    """Tiles of the backward: one 16-byte vector of a 16-bit input per thread (T = 8; float32
+    too, 4 in float64), 4 lanes per channel. Longer tiles or fewer lanes spill its registers
+    (offline SASS: T = 16 a 296-byte stack, 2 lanes 992 shuffles per tile)."""
+    return _tiles(dim, dstate, B, C, T=8 if dtype.itemsize <= 4 else 4, NS=4)
 
 
 def _derive_block(cfg: dict, dim, B: Tensor, C: Tensor) -> dict:
@@ -214,12 +230,18 @@ def _may_exceed_one(n_ranges) -> bool:
     return not isinstance(n_ranges, int) or n_ranges > 1
 
 
-def with_overrides(cfg: dict, overrides: dict, dim, B: Tensor, C: Tensor) -> dict:
-    """cfg with some tile sizes replaced (benchmarks and inspection); NI and BD follow."""
-    out = cfg | overrides
-    if "NS" in overrides and "NI" not in overrides:
-        out["NI"] = cfg["NS"] * cfg["NI"] // out["NS"]
-    return _derive_block(out, dim, B, C)
+def overridden(cfg_fn, overrides: dict):
+    """The tile function cfg_fn (config or bwd_config) with some tile sizes replaced
+    (benchmarks and inspection); NI and BD follow."""
+
+    def tiles(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor, num_states=1) -> dict:
+        cfg = cfg_fn(dim, dstate, dtype, B, C, num_states)
+        out = cfg | overrides
+        if "NS" in overrides and "NI" not in overrides:
+            out["NI"] = cfg["NS"] * cfg["NI"] // out["NS"]
+        return _derive_block(out, dim, B, C)
+
+    return tiles
 
 
 class _Plan:
@@ -233,7 +255,7 @@ class _Plan:
         self.batch, self.dim, self.seqlen = batch, dim, seqlen = u.shape
         self.dstate = A.shape[1]
         self.num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        self.cfg = cfg = cfg_fn(dim, self.dstate, u.dtype, B, C)
+        self.cfg = cfg = cfg_fn(dim, self.dstate, u.dtype, B, C, self.num_states)
         self.NP = cfg["NS"] * cfg["NI"]
         self.n_blocks = cdiv(dim, cfg["BD"])
         self.n_ranges, range_len = ranges(cfg, self.num_states, dim, seqlen, cu_seqlens is not None)
