@@ -59,6 +59,52 @@ def reverse_recurrence(a, g, carry, t_idx, T: tl.constexpr):
 
 
 @triton.jit
+def lane_swap(x, ch, bit: tl.constexpr):
+    """x [BD, NS, K] of channel ch ^ bit (ch: arange over axis 0, whose channels lie on lanes):
+    one shuffle per element (Triton lowers a gather within a warp to shuffles)."""
+    return tl.gather(x, tl.broadcast_to(ch ^ bit, x.shape), axis=0)
+
+
+@triton.jit
+def _halving(x, ch, bit: tl.constexpr):
+    """One level of channel_sums: x summed with channel ch ^ bit's."""
+    if bit >= 1:
+        if x.shape[2] >= 2:  # keep the upper half of the steps where ch has this bit
+            halves = tl.reshape(x, (x.shape[0], x.shape[1], 2, x.shape[2] // 2))
+            lo, hi = tl.split(tl.permute(halves, (0, 1, 3, 2)))  # in-thread register moves
+            up = (ch & bit) != 0
+            x = tl.where(up, hi, lo) + lane_swap(tl.where(up, lo, hi), ch, bit)
+        else:
+            x = x + lane_swap(x, ch, bit)
+    return x
+
+
+@triton.jit
+def channel_sums(x, ch, BD: tl.constexpr):
+    """Sums of x [BD, NS, T] over its BD channels (ch: their arange), reduce-scattered: each
+    halving of the channels halves the steps a lane keeps, so the two lanes of a pair swap half
+    their values (T/2 + T/4 + ... shuffles), where tl.sum's butterfly swaps all of them at every
+    level (T log2 BD) and leaves every lane every sum. Returns [BD, NS, K], K = ceil(T / BD):
+    channel ch keeps the steps of `sum_steps`; past K = 1 the halvings are butterflies."""
+    # Written out: a constexpr cannot be reassigned in a loop. BD <= 32 channels.
+    x = _halving(x, ch, BD // 2)
+    x = _halving(x, ch, BD // 4)
+    x = _halving(x, ch, BD // 8)
+    x = _halving(x, ch, BD // 16)
+    x = _halving(x, ch, BD // 32)
+    return x
+
+
+@triton.jit
+def sum_steps(ch, BD: tl.constexpr, T: tl.constexpr):
+    """(steps in the tile of the values channel_sums leaves with channel ch, [BD, 1, K]; whether
+    ch is the first of the channels left holding the same values, when BD > T)."""
+    K: tl.constexpr = (T + BD - 1) // BD  # BD and T are powers of two
+    DUP: tl.constexpr = BD * K // T
+    return (ch // DUP) * K + tl.arange(0, K)[None, None, :], ch % DUP == 0
+
+
+@triton.jit
 def exp(x):
     """e^x: one ex2.approx (MUFU) instruction in float32, exact in float64."""
     if x.dtype == tl.float64:

@@ -31,6 +31,7 @@ import triton.language as tl
 from .common import (
     LN2,
     LOG2E,
+    channel_sums,
     combine,
     pick,
     put,
@@ -39,6 +40,7 @@ from .common import (
     shift_right,
     sigmoid,
     softplus,
+    sum_steps,
     tile_masks,
     time_tile,
 )
@@ -125,6 +127,7 @@ def _scan_bwd_body(
         batch = seq.to(tl.int64)
     NP: tl.constexpr = NS * NI
 
+    ch_local = tl.arange(0, BD)[:, None, None]
     ch = blk * BD + tl.arange(0, BD)
     ch64 = ch.to(tl.int64)[:, None, None]
     row_ok = (ch < dim)[:, None, None]
@@ -186,6 +189,7 @@ def _scan_bwd_body(
     dA_acc = tl.zeros([BD, NS, NI], ACC)
     dB_acc = tl.zeros([BD, NS, NI], ACC)  # constant B/C: summed over the sequence
     dC_acc = tl.zeros([BD, NS, NI], ACC)
+    t_blk, blk_owner = sum_steps(ch_local, BD, T)  # steps of this lane's dB/dC sums
     dD_acc = tl.zeros([BD, 1, T], ACC)
     dbias_acc = tl.zeros([BD, 1, T], ACC)
 
@@ -263,6 +267,8 @@ def _scan_bwd_body(
             dout, dy, zz, sig_z = _dy_tile(
                 dout_row, z_row, t64, s_ot, s_zt, m, lm, HAS_Z, ACC, FAST, WHOLE
             )
+            t_part = t0 + t_blk
+            part_ok = blk_owner & (t_part >= start) & (t_part < end)
             sum_dhb = tl.zeros([BD, NS, T], ACC)  # sum_n dh B
             sum_adhh = tl.zeros([BD, NS, T], ACC)  # sum_n A2 dh (h - x)
             y = tl.zeros([BD, NS, T], ACC)
@@ -287,22 +293,16 @@ def _scan_bwd_body(
                 db = dh * dtu
                 dc = dy * hs
                 # Rows of this block's partial sums of dB/dC, (batch, blocks, NP, rows).
-                part_t = t64 + row_offset(batch * n_blocks + blk, NP * rows, lane * NI + i,
-                                          rows, T, ALIGNED)  # fmt: skip
+                part_row = row_offset(batch * n_blocks + blk, NP * rows, lane * NI + i, rows, T,
+                                      ALIGNED)  # fmt: skip
                 if B_VAR:
-                    tl.store(
-                        dB_ptr + part_t,
-                        tl.sum(db, axis=0)[None, :, :],
-                        mask=(t >= start) & (t < end),
-                    )
+                    tl.store(dB_ptr + part_row + t_part, channel_sums(db, ch_local, BD),
+                             mask=part_ok)  # fmt: skip
                 else:
                     dB_acc = put(dB_acc, i_idx, i, pick(dB_acc, i_idx, i) + tl.sum(db, axis=2))
                 if C_VAR:
-                    tl.store(
-                        dC_ptr + part_t,
-                        tl.sum(dc, axis=0)[None, :, :],
-                        mask=(t >= start) & (t < end),
-                    )
+                    tl.store(dC_ptr + part_row + t_part, channel_sums(dc, ch_local, BD),
+                             mask=part_ok)  # fmt: skip
                 else:
                     dC_acc = put(dC_acc, i_idx, i, pick(dC_acc, i_idx, i) + tl.sum(dc, axis=2))
             sum_dhb = tl.sum(sum_dhb, axis=1)[:, None, :]
