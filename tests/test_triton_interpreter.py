@@ -234,3 +234,28 @@ def test_ranges_only_for_idle_gpus():
     assert count > 1 and length % scan.CKPT == 0 and (count - 1) * length < 16384 <= count * length
     assert scan.ranges(cfg, 8, 5120, 2048, varlen=False)[0] == 1
     assert scan.ranges(cfg, 1, 1536, 16384, varlen=True)[0] == 1
+
+
+def test_broadcast_steps_are_copied(monkeypatch):
+    """A per-step tensor whose steps are a broadcast (time stride 0, such as the gradient of a
+    sum) is copied into fresh rows before the kernels read it (Triton lays a broadcast load's
+    steps across lanes, kernels/scan.py): the gradients equal those from a contiguous copy."""
+    assert scan.restaged(torch.ones(()).expand(2, 16, 64), False, 8)
+    assert not scan.restaged(torch.ones(()).expand(2, 16, 1), False, 8)  # one step: no broadcast
+    assert not scan.restaged(torch.ones(2, 16, 64), False, 8)
+
+    monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", "triton")
+    x = make_inputs(device=DEVICE, batch=2, dim=8, dstate=4, seqlen=64)
+    names = float_inputs(x)
+
+    def grads(dout_of):
+        leaves = {k: v.detach().clone().requires_grad_(k in names) if torch.is_tensor(v) else v
+                  for k, v in x.items()}  # fmt: skip
+        out = selective_scan_fn(**leaves, delta_softplus=True)
+        out.backward(dout_of(out))
+        return [leaves[k].grad for k in sorted(names)]
+
+    expanded = grads(lambda out: torch.full((), 0.5, dtype=out.dtype).expand_as(out))
+    contiguous = grads(lambda out: torch.full_like(out, 0.5))
+    for a, b in zip(expanded, contiguous, strict=True):
+        assert torch.equal(a, b)

@@ -83,7 +83,10 @@ def padded(seqlen, T: int) -> bool:
 def restaged(t: Tensor | None, pad: bool, T: int) -> bool:
     """Whether the per-step tensor t (batch, dim, seqlen) is copied into fresh rows: always
     when rows are padded (whole-tile loads read the padding), else when it is a real tensor
-    contiguous in time with rows that do not start at multiples of T."""
+    contiguous in time with rows that do not start at multiples of T, or one whose steps are a
+    broadcast (time stride 0: an expanded tensor, such as the gradient of a sum). Triton lays
+    a broadcast load's steps across lanes: the backward's loop doubled to 3958 instructions per
+    tile, 782 of them shuffles, at S1 (offline SASS)."""
     if t is None:
         return False
     if pad:
@@ -91,6 +94,8 @@ def restaged(t: Tensor | None, pad: bool, T: int) -> bool:
     if is_fake(t):
         return False
     strides = t.stride()
+    if strides[2] == 0 and t.shape[2] > 1:
+        return True
     return strides[2] == 1 and (strides[0] % T != 0 or strides[1] % T != 0)
 
 
