@@ -173,14 +173,20 @@ def _tiles(dim, dstate, B: Tensor, C: Tensor, T: int, NS: int) -> dict:
     return _derive_block(cfg, dim, B, C)
 
 
-def config(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor, num_states=1) -> dict:
+def config(
+    dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor, num_states=1, seqlen=None
+) -> dict:
     """Tiles of the forward (measured on the H200, bench/NOTES.md, session 6). T = 16 steps per
     thread (two 16-byte vectors of a 16-bit input, four of float32; 8 steps in float64): 10%
     fewer instructions per step than 8 for bf16, 28% for float32 (S1 0.317 -> 0.272 ms, S4
-    0.673 -> 0.299). 4 lanes per channel, or 2 where programs of 2-lane channels still give
-    TARGET_WARPS warps (S5, S7: 7-8% faster; S1, S2: 13-30% slower with 2). A symbolic batch
-    (torch.compile(dynamic=True), torch.export) gets 4 lanes: choosing would guard on it."""
+    0.673 -> 0.299). A known length that 16 does not divide but 8 does gets T = 8: rows padded
+    to 16 took S1's size with 2056 steps 0.560 ms, against 0.310 with T = 8 (session 5). 4 lanes
+    per channel, or 2 where programs of 2-lane channels still give TARGET_WARPS warps (S5, S7:
+    7-8% faster; S1, S2: 13-30% slower with 2). Symbolic sizes (torch.compile(dynamic=True),
+    torch.export) get T = 16 and 4 lanes: choosing would guard on them."""
     T = 16 if dtype.itemsize <= 4 else 8
+    if isinstance(seqlen, int) and seqlen % T != 0 and seqlen % (T // 2) == 0:
+        T //= 2
     narrow = _tiles(dim, dstate, B, C, T, NS=2)
     sizes = (num_states, dim)
     if (
@@ -191,10 +197,14 @@ def config(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor, num_states=1) 
     return _tiles(dim, dstate, B, C, T, NS=4)
 
 
-def bwd_config(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor, num_states=1) -> dict:
+def bwd_config(
+    dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor, num_states=1, seqlen=None
+) -> dict:
     """Tiles of the backward: one 16-byte vector of a 16-bit input per thread (T = 8; float32
-    too, 4 in float64), 4 lanes per channel. Longer tiles or fewer lanes spill its registers
-    (offline SASS: T = 16 a 296-byte stack, 2 lanes 992 shuffles per tile)."""
+    too, 4 in float64), 4 lanes per channel, for any length. Longer tiles or fewer lanes spill
+    its registers (offline SASS: T = 16 a 296-byte stack, 2 lanes 992 shuffles per tile);
+    float32 with T = 4 took 2.75 ms at S4 against 1.93 with 8 (session 6), more than padding
+    rows costs."""
     return _tiles(dim, dstate, B, C, T=8 if dtype.itemsize <= 4 else 4, NS=4)
 
 
@@ -239,8 +249,8 @@ def overridden(cfg_fn, overrides: dict):
     """The tile function cfg_fn (config or bwd_config) with some tile sizes replaced
     (benchmarks and inspection); NI and BD follow."""
 
-    def tiles(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor, num_states=1) -> dict:
-        cfg = cfg_fn(dim, dstate, dtype, B, C, num_states)
+    def tiles(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor, *sizes) -> dict:
+        cfg = cfg_fn(dim, dstate, dtype, B, C, *sizes)
         out = cfg | overrides
         if "NS" in overrides and "NI" not in overrides:
             out["NI"] = cfg["NS"] * cfg["NI"] // out["NS"]
@@ -260,7 +270,7 @@ class _Plan:
         self.batch, self.dim, self.seqlen = batch, dim, seqlen = u.shape
         self.dstate = A.shape[1]
         self.num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        self.cfg = cfg = cfg_fn(dim, self.dstate, u.dtype, B, C, self.num_states)
+        self.cfg = cfg = cfg_fn(dim, self.dstate, u.dtype, B, C, self.num_states, seqlen)
         self.NP = cfg["NS"] * cfg["NI"]
         self.n_blocks = cdiv(dim, cfg["BD"])
         self.n_ranges, range_len = ranges(cfg, self.num_states, dim, seqlen, cu_seqlens is not None)
