@@ -19,8 +19,9 @@ recurrence alone over each range but the first, from a zero gradient at its end,
 gradient reaching the state before the range and sum(delta); the full launch then starts range r
 from the true gradient at its end, combined from those last range first.
 
-dB/dC of variable B/C are written per block of BD channels (fp32; a block never spans two groups)
-and summed over the blocks of a group afterwards, in a fixed order; dA, dD, ddelta_bias and
+dB/dC of variable B/C are summed over a block's BD channels inside the program (a reduce-scatter
+across the channel lanes, `channel_sums`), written per block (fp32; a block never spans two
+groups) and summed over the blocks of a group afterwards, in a fixed order; dA, dD, ddelta_bias and
 constant dB/dC are written per program and summed over sequences likewise. No atomics: the
 backward is deterministic, bitwise, run to run.
 """
