@@ -45,7 +45,7 @@ CASES = {
     "varlen-whole-tiles": dict(
         batch=1, seqlen=152, cu_seqlens=[0, 10, 10, 67, 131, 152], initial_state=True, dstate=8,
     ),
-    # 41 steps: rows padded to 48 (T = 8), whole-tile loads.
+    # 41 steps: rows padded to 48 (forward T = 16, backward 8), whole-tile loads.
     "bf16-padded-states-nosoftplus": dict(seqlen=41, dtype=torch.bfloat16, dstate=5,
                                           softplus=False),
     "one-step": dict(seqlen=1, dstate=16, c_form="constant"),

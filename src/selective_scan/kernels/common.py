@@ -1,8 +1,8 @@
 """Triton helpers shared by the scan kernels.
 
 Tile layout. Every per-step tensor is a [BD, NS, T] tile: BD channels, NS lanes that split the
-states of a channel, T time steps. Loads are built so that T is the contiguous axis of one
-128-bit vector, which makes Triton keep all T steps of a (channel, lane) in one thread: the
+states of a channel, T time steps. Loads are built so that T is the contiguous axis of whole
+128-bit vectors, which makes Triton keep all T steps of a (channel, lane) in one thread: the
 recurrence along time is then a plain in-thread loop, and picking step t or state i with a
 compile-time index folds to a register read (`pick`, `put`). The states of a channel are split
 as n = lane * NI + i: NI states per thread, NS threads per channel.

@@ -8,8 +8,8 @@ steps, batch * dim * (ceil(seqlen / CKPT) + 1) * dstate float32 (for CKPT = 128,
 that is 0.5 bytes per (batch, dim, step), a quarter of a bf16 input). The backward's scratch adds
 fp32 partial sums of dB/dC per block of channels: batch * ceil(dim / BD) * dstate * seqlen * 4
 bytes each for variable B/C, and the entry states of the tiles of one chunk per program.
-Lengths that are not a multiple of T (8 steps for 16-bit inputs, 4 for float32) add a padded
-copy of each per-step input and output while a call runs (see `padded`).
+Lengths that are not a multiple of T (see `config` and `bwd_config`) add a padded copy of each
+per-step input and output while a call runs (see `padded`).
 """
 
 from __future__ import annotations
