@@ -8,8 +8,8 @@ reached, peak memory of forward + backward, and the anchor ratios; the GPU time 
 kernels alone (profiler), and the public forward, eager and through torch.compile. Also: eager
 call vs torch.compile vs CUDA-graph replay for the small shape, eager vs compiled with static
 and dynamic shapes (S1, forward and forward + backward), first-call compile time, determinism
-of the backward, and time vs seqlen for the plot (2049 and 2056 steps too). Writes
-<out>/h200.json and prints a table.
+of the backward, the backward given an expanded dout, and time vs seqlen for the plot (2049
+and 2056 steps too). Writes <out>/h200.json and prints a table.
 """
 
 from __future__ import annotations
@@ -227,6 +227,24 @@ def determinism(shape: str = "S1") -> dict:
     return {"bitwise_identical_backward_x3": same}
 
 
+def broadcast_dout(shape: str = "S1") -> dict:
+    """The backward given an expanded dout (time stride 0, as out.sum().backward() gives it),
+    which the launcher copies into fresh rows (kernels/scan.py, restaged), against a
+    contiguous dout of the same values."""
+    x = make_bench_inputs(shape)
+    out, _, ckpt = fwd_op(x)
+    args = [x[k] for k in FWD_ARGS[:-1]]
+    douts = {"expanded": torch.ones((), dtype=out.dtype, device=out.device).expand_as(out)}
+    douts["contiguous"] = douts["expanded"].contiguous()
+    return {
+        f"{name}_bwd_ms": do_bench(
+            lambda d=d: OPS.scan_bwd_triton(d, None, *args, ckpt, True),
+            warmup=25, rep=100, return_mode="median",
+        )
+        for name, d in douts.items()
+    }  # fmt: skip
+
+
 def cold_compile(shape: str = "S1") -> dict:
     """Seconds of the first call in this process for fwd and bwd (Triton JIT compile)."""
     x = make_bench_inputs(shape, dtype="fp16")  # a dtype not compiled yet in this run
@@ -258,6 +276,7 @@ EXTRAS = {
     "compile_modes_S1": compile_modes,
     "determinism_S1": determinism,
     "cold_compile_S1_fp16": cold_compile,
+    "broadcast_dout_S1": broadcast_dout,
     "seqlen_sweep_S1": seqlen_sweep,
 }
 
