@@ -79,6 +79,11 @@ def fwd_op(x: dict):
     return OPS.scan_fwd_triton(*[x[k] for k in FWD_ARGS])
 
 
+def bwd_op(x: dict, dout: torch.Tensor, checkpoints: torch.Tensor):
+    """The backward of fwd_op(x), softplus on (as make_bench_inputs sets it)."""
+    return OPS.scan_bwd_triton(dout, None, *[x[k] for k in FWD_ARGS[:-1]], checkpoints, True)
+
+
 PUBLIC_ARGS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus")
 
 
@@ -107,9 +112,7 @@ def bench_shape(shape: str, seqlen=None) -> dict:
         saved.append((torch.randn_like(out), ckpt))
 
     def bwd(i):
-        dout, ckpt = saved[i]
-        args = [sets[i][k] for k in FWD_ARGS[:-1]]
-        return OPS.scan_bwd_triton(dout, None, *args, ckpt, True)
+        return bwd_op(sets[i], *saved[i])
 
     fwd_ms = time_rotating(lambda i: fwd_op(sets[i]), len(sets))
     bwd_ms = time_rotating(bwd, len(sets))
@@ -217,13 +220,11 @@ def determinism(shape: str = "S1") -> dict:
     x = make_bench_inputs(shape)
     out, _, ckpt = fwd_op(x)
     dout = torch.randn_like(out)
-    args = [x[k] for k in FWD_ARGS[:-1]]
-    first = OPS.scan_bwd_triton(dout, None, *args, ckpt, True)
+    first = bwd_op(x, dout, ckpt)
     same = all(
-        all(torch.equal(a, b) for a, b in zip(first, OPS.scan_bwd_triton(dout, None, *args, ckpt,
-                                                                         True), strict=True))
+        all(torch.equal(a, b) for a, b in zip(first, bwd_op(x, dout, ckpt), strict=True))
         for _ in range(3)
-    )  # fmt: skip
+    )
     return {"bitwise_identical_backward_x3": same}
 
 
@@ -233,12 +234,11 @@ def broadcast_dout(shape: str = "S1") -> dict:
     contiguous dout of the same values."""
     x = make_bench_inputs(shape)
     out, _, ckpt = fwd_op(x)
-    args = [x[k] for k in FWD_ARGS[:-1]]
     douts = {"expanded": torch.ones((), dtype=out.dtype, device=out.device).expand_as(out)}
     douts["contiguous"] = douts["expanded"].contiguous()
     return {
         f"{name}_bwd_ms": do_bench(
-            lambda d=d: OPS.scan_bwd_triton(d, None, *args, ckpt, True),
+            lambda d=d: bwd_op(x, d, ckpt),
             warmup=25, rep=100, return_mode="median",
         )
         for name, d in douts.items()
@@ -253,8 +253,7 @@ def cold_compile(shape: str = "S1") -> dict:
     out, _, ckpt = fwd_op(x)
     torch.cuda.synchronize()
     t1 = time.perf_counter()
-    args = [x[k] for k in FWD_ARGS[:-1]]
-    OPS.scan_bwd_triton(torch.randn_like(out), None, *args, ckpt, True)
+    bwd_op(x, torch.randn_like(out), ckpt)
     torch.cuda.synchronize()
     return {"fwd_first_call_s": t1 - t0, "bwd_first_call_s": time.perf_counter() - t1}
 
