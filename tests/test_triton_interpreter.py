@@ -49,6 +49,9 @@ CASES = {
     "bf16-padded-states-nosoftplus": dict(seqlen=41, dtype=torch.bfloat16, dstate=5,
                                           softplus=False),
     "one-step": dict(seqlen=1, dstate=16, c_form="constant"),
+    # The backward's tile walk loading delta and softplus' from the scratch (KEEP_STEPS, the
+    # default for 16-bit inputs), in float32's tighter bound, across chunks and ranges.
+    "ranges-keep-steps": dict(seqlen=300, dstate=8, initial_state=True, keep_steps=True),
     # As traced with symbolic sizes: the kernels test the strides' divisibility by T at run
     # time (float32: T = 4) and take the body declaring it, or the plain one. ("ranges-init"
     # gets the declared body from the launcher: 300 is a multiple of T, not of 16.)
@@ -64,6 +67,9 @@ def test_triton_kernels_match_oracle(name, monkeypatch):
     softplus = case.pop("softplus", True)
     strided = case.pop("strided", False)
     sliced = case.pop("sliced", False)
+    if case.pop("keep_steps", False):
+        monkeypatch.setattr(scan, "bwd_config", scan.overridden(scan.bwd_config, {"KEEP_STEPS": 1}))
+        monkeypatch.setattr(scan, "_PLANS", {})
     if case.pop("checked", False):
         monkeypatch.setattr(scan, "align_mode", lambda *sizes: scan.ALIGN_CHECKED)
         monkeypatch.setattr(scan, "_PLANS", {})

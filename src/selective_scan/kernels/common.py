@@ -138,13 +138,21 @@ def reciprocal(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def softplus(x, FAST: tl.constexpr):
-    """log(1 + e^x), and x above 20 as in mamba. log1p(e) = log(w) * e / (w - 1) with
-    w = 1 + e (Kahan) keeps the relative precision of tiny results."""
+def softplus_and_grad(x, FAST: tl.constexpr):
+    """(softplus(x) = log(1 + e^x), its derivative sigmoid(x)), both from one e^x: x above 20
+    gives (x, 1) as in mamba. log1p(e) = log(w) * e / (w - 1) with w = 1 + e (Kahan) keeps the
+    relative precision of tiny results; sigmoid(x) = e / w."""
     e = exp(x)
     w = 1.0 + e
     log1p = tl.where(w == 1.0, e, log(w, FAST) * e * reciprocal(w - 1.0, FAST))
-    return tl.where(x > 20.0, x, log1p)
+    big = x > 20.0
+    return tl.where(big, x, log1p), tl.where(big, 1.0, e * reciprocal(w, FAST))
+
+
+@triton.jit
+def softplus(x, FAST: tl.constexpr):
+    """log(1 + e^x), see softplus_and_grad (the compiler drops the unused derivative)."""
+    return softplus_and_grad(x, FAST)[0]
 
 
 @triton.jit

@@ -7,7 +7,8 @@ Memory: the forward saves nothing beyond its outputs; checkpoints hold the state
 steps, batch * dim * (ceil(seqlen / CKPT) + 1) * dstate float32 (for CKPT = 128, dstate = 16
 that is 0.5 bytes per (batch, dim, step), a quarter of a bf16 input). The backward's scratch adds
 fp32 partial sums of dB/dC per block of channels: batch * ceil(dim / BD) * dstate * seqlen * 4
-bytes each for variable B/C, and the entry states of the tiles of one chunk per program.
+bytes each for variable B/C, and per program the entry states of the tiles of one chunk (for
+16-bit inputs also their delta and softplus', KEEP_STEPS in bwd_config).
 Lengths that are not a multiple of T (see `config` and `bwd_config`) add a padded copy of each
 per-step input and output while a call runs (see `padded`).
 """
@@ -204,8 +205,11 @@ def bwd_config(
     too, 4 in float64), 4 lanes per channel, for any length. Longer tiles or fewer lanes spill
     its registers (offline SASS: T = 16 a 296-byte stack, 2 lanes 992 shuffles per tile);
     float32 with T = 4 took 2.75 ms at S4 against 1.93 with 8 (session 6), more than padding
-    rows costs."""
-    return _tiles(dim, dstate, B, C, T=8 if dtype.itemsize <= 4 else 4, NS=4)
+    rows costs. KEEP_STEPS (16-bit inputs): the tile walk loads delta and softplus' from the
+    scratch (kernels/scan_bwd.py): 5% faster on S1, S2, S3, S5, S7, but S4 (float32) 1.46 ->
+    1.68 ms (session 7, not explained)."""
+    cfg = _tiles(dim, dstate, B, C, T=8 if dtype.itemsize <= 4 else 4, NS=4)
+    return cfg | {"KEEP_STEPS": int(dtype.itemsize == 2)}
 
 
 def _derive_block(cfg: dict, dim, B: Tensor, C: Tensor) -> dict:
@@ -480,7 +484,9 @@ def scan_bwd(
     dh0 = u.new_empty((p.num_states, dim, dstate), dtype=cdt)
     dh_local, dt_sums = _range_buffers(u, p)
     tiles_per_chunk = CKPT // T
-    scratch = u.new_empty((programs * p.n_blocks * tiles_per_chunk * p.cfg["BD"] * NP,), dtype=cdt)
+    keep = p.cfg["KEEP_STEPS"]
+    per_tile = p.cfg["BD"] * (NP + 2 * T * keep)  # see scratch in scan_bwd.py
+    scratch = u.new_empty((programs * p.n_blocks * tiles_per_chunk * per_tile,), dtype=cdt)
     last_strides = (0, 0, 0) if dlast_state is None else dlast_state.stride()
     tensors = (
         *p.tensors(*inputs), dout, dlast_state, checkpoints, scratch,
@@ -490,7 +496,7 @@ def scan_bwd(
     align = backward_align(p, dout)
     for local, grid in p.launches():
         flags = dict(SOFTPLUS=delta_softplus, HAS_DLAST=dlast_state is not None, LOCAL=local,
-                     ALIGN=align)  # fmt: skip
+                     KEEP_STEPS=keep, ALIGN=align)  # fmt: skip
         _launch(p, _scan_bwd_kernel, grid, tensors, scalars, flags)
 
     def empty():  # one placeholder per absent input: outputs must not alias each other

@@ -40,7 +40,7 @@ from .common import (
     row_offset,
     shift_right,
     sigmoid,
-    softplus,
+    softplus_and_grad,
     sum_steps,
     tile_masks,
     time_tile,
@@ -52,29 +52,32 @@ def _tile_inputs(
     dt_row, u_row, t64, s_dt, s_ut, m, lm, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     ACC: tl.constexpr, FAST: tl.constexpr, WHOLE: tl.constexpr,
 ):  # fmt: skip
-    """(delta before softplus, delta, u) of one tile; delta = 0 outside the sequence."""
-    dt_raw = time_tile(dt_row, t64, s_dt, m, lm, ACC, WHOLE)
+    """(delta, d delta / d(delta input) = softplus' or unused, u) of one tile; delta = 0 outside
+    the sequence."""
+    dt = time_tile(dt_row, t64, s_dt, m, lm, ACC, WHOLE)
     if HAS_BIAS:
-        dt_raw += bias
-    dt = dt_raw
+        dt += bias
+    dsp = dt  # unused without softplus
     if SOFTPLUS:
-        dt = softplus(dt_raw, FAST)
+        dt, dsp = softplus_and_grad(dt, FAST)
     dt = tl.where(m, dt, 0.0)
-    return dt_raw, dt, time_tile(u_row, t64, s_ut, m, lm, ACC, WHOLE)
+    return dt, dsp, time_tile(u_row, t64, s_ut, m, lm, ACC, WHOLE)
 
 
 @triton.jit
 def _dy_tile(dout_row, z_row, t64, s_ot, s_zt, m, lm, HAS_Z: tl.constexpr, ACC: tl.constexpr,
              FAST: tl.constexpr, WHOLE: tl.constexpr):  # fmt: skip
-    """(dout, dy = dout * silu(z), z, sigmoid(z)) of one tile (z terms are dout when no z)."""
+    """(dy = dout * silu(z), dout * silu'(z): dz = y times it) of one tile (dout, unused,
+    without z). Computed before the states' loop, so that dout, z and sigmoid(z) are not held
+    across it."""
     dout = time_tile(dout_row, t64, s_ot, m, lm, ACC, WHOLE)
+    dy, factor = dout, dout
     if HAS_Z:
         zz = time_tile(z_row, t64, s_zt, m, lm, ACC, WHOLE)
         sig_z = sigmoid(zz, FAST)
         dy = dout * zz * sig_z
-    else:
-        zz, sig_z, dy = dout, dout, dout
-    return dout, dy, zz, sig_z
+        factor = dout * sig_z * (1.0 + zz * (1.0 - sig_z))
+    return dy, factor
 
 
 @triton.jit
@@ -104,7 +107,7 @@ def _scan_bwd_body(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, HAS_DLAST: tl.constexpr, VARLEN: tl.constexpr,
     B_VAR: tl.constexpr, C_VAR: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr,
-    STAGES: tl.constexpr, LOCAL: tl.constexpr,
+    STAGES: tl.constexpr, LOCAL: tl.constexpr, KEEP_STEPS: tl.constexpr,
     WIDE: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
     WHOLE: tl.constexpr = WIDE and ALIGNED  # load whole tiles (see tile_masks)
@@ -171,8 +174,12 @@ def _scan_bwd_body(
     # seqlen padded to a multiple of T (see kernels/scan.py).
     grad_row = row_offset(batch, dim * rows, ch64, rows, T, ALIGNED)
     program = (seq64 * n_ranges + rng) * n_blocks + blk
-    scratch = scratch_ptr + (program * (CKPT // T)) * (BD * NP)
-    scratch_tile = scratch + (ch64 - blk * BD) * NP + n  # [BD, NS, NI]
+    # Per tile of a chunk: the states entering it (BD * NP) and, with KEEP_STEPS, its delta and
+    # softplus' (BD * T each) for the tile walk, which then loads them instead of recomputing.
+    TILE_SLOTS: tl.constexpr = BD * NP + 2 * BD * T * KEEP_STEPS
+    scratch = scratch_ptr + (program * (CKPT // T)) * TILE_SLOTS
+    scratch_tile = scratch + ch_local * NP + n  # [BD, NS, NI]
+    scratch_steps = scratch + BD * NP + ch_local * T + t_idx  # [BD, 1, T]
 
     dh_carry = tl.zeros([BD, NS, NI], ACC)  # a_{t+1} dh_{t+1} entering the current tile's end
     range_row = seq64 * dim + ch64  # [BD, 1, 1] into (ranges, sequences, dim), see scan_fwd.py
@@ -203,10 +210,10 @@ def _scan_bwd_body(
             t = t0 + t_idx
             t64 = t.to(tl.int64)
             m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WHOLE)
-            _, dt, _ = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias, HAS_BIAS,
+            dt, _, _ = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias, HAS_BIAS,
                                     SOFTPLUS, ACC, FAST, WHOLE)  # fmt: skip
             dt_total += dt
-            _, dy, _, _ = _dy_tile(dout_row, z_row, t64, s_ot, s_zt, m, lm, HAS_Z, ACC, FAST, WHOLE)
+            dy, _ = _dy_tile(dout_row, z_row, t64, s_ot, s_zt, m, lm, HAS_Z, ACC, FAST, WHOLE)
             # Only the gradient leaving the tile's start is needed here, a_0 dh_0 =
             # sum_t q_t dy_t C_t + q_{T-1} carry with q_t = exp(A sum_{s<=t} delta_s): a weighted
             # sum instead of the step-by-step recurrence, whose per-step picks Triton lays across
@@ -240,12 +247,17 @@ def _scan_bwd_body(
         else:
             h = tl.zeros([BD, NS, NI], ACC)
         for t0 in tl.range(lo, hi, T, num_stages=STAGES):
-            tl.store(scratch_tile + ((t0 - c * CKPT) // T) * (BD * NP), h)
+            slot = ((t0 - c * CKPT) // T) * TILE_SLOTS
+            tl.store(scratch_tile + slot, h)
             t = t0 + t_idx
             t64 = t.to(tl.int64)
             m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WHOLE)
-            _, dt, uu = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias, HAS_BIAS,
-                                     SOFTPLUS, ACC, FAST, WHOLE)  # fmt: skip
+            dt, dsp, uu = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias, HAS_BIAS,
+                                       SOFTPLUS, ACC, FAST, WHOLE)  # fmt: skip
+            if KEEP_STEPS:
+                tl.store(scratch_steps + slot, dt)
+                if SOFTPLUS:
+                    tl.store(scratch_steps + slot + BD * T, dsp)
             dtu = dt * uu
             for i in tl.static_range(NI):
                 a = tl.math.exp2(dt * pick(A2, i_idx, i)[:, :, None])
@@ -258,16 +270,23 @@ def _scan_bwd_body(
         n_tiles = (hi - lo + T - 1) // T
         for k_rev in tl.range(0, n_tiles, num_stages=STAGES):
             t0 = lo + (n_tiles - 1 - k_rev) * T
-            h_in = tl.load(scratch_tile + ((t0 - c * CKPT) // T) * (BD * NP))
+            slot = ((t0 - c * CKPT) // T) * TILE_SLOTS
+            h_in = tl.load(scratch_tile + slot)
             t = t0 + t_idx
             t64 = t.to(tl.int64)
             m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WHOLE)
-            dt_raw, dt, uu = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias,
-                                          HAS_BIAS, SOFTPLUS, ACC, FAST, WHOLE)  # fmt: skip
+            if KEEP_STEPS:
+                dt = tl.load(scratch_steps + slot)
+                dsp = dt  # unused without softplus
+                if SOFTPLUS:
+                    dsp = tl.load(scratch_steps + slot + BD * T)
+                uu = time_tile(u_row, t64, s_ut, m, lm, ACC, WHOLE)
+            else:
+                dt, dsp, uu = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias,
+                                           HAS_BIAS, SOFTPLUS, ACC, FAST, WHOLE)  # fmt: skip
             dtu = dt * uu
-            dout, dy, zz, sig_z = _dy_tile(
-                dout_row, z_row, t64, s_ot, s_zt, m, lm, HAS_Z, ACC, FAST, WHOLE
-            )
+            dy, dz_factor = _dy_tile(dout_row, z_row, t64, s_ot, s_zt, m, lm, HAS_Z, ACC, FAST,
+                                     WHOLE)  # fmt: skip
             t_part = t0 + t_blk
             part_ok = blk_owner & (t_part >= start) & (t_part < end)
             sum_dhb = tl.zeros([BD, NS, T], ACC)  # sum_n dh B
@@ -311,13 +330,13 @@ def _scan_bwd_body(
             du = dt * sum_dhb + Dv * dy
             ddt = uu * sum_dhb + sum_adhh * LN2
             if SOFTPLUS:
-                ddt *= tl.where(dt_raw > 20.0, 1.0, sigmoid(dt_raw, FAST))
+                ddt *= dsp
             ddt = tl.where(m, ddt, 0.0)
             tl.store(du_ptr + grad_row + t64, du.to(du_ptr.dtype.element_ty), mask=m)
             tl.store(ddelta_ptr + grad_row + t64, ddt.to(ddelta_ptr.dtype.element_ty), mask=m)
             if HAS_Z:
                 y = tl.sum(y, axis=1)[:, None, :] + Dv * uu
-                dz = dout * y * sig_z * (1.0 + zz * (1.0 - sig_z))
+                dz = y * dz_factor
                 tl.store(dz_ptr + grad_row + t64, dz.to(dz_ptr.dtype.element_ty), mask=m)
             dD_acc += dy * uu
             dbias_acc += ddt
@@ -356,7 +375,7 @@ def _scan_bwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, HAS_DLAST: tl.constexpr, VARLEN: tl.constexpr,
     B_VAR: tl.constexpr, C_VAR: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr,
-    STAGES: tl.constexpr, LOCAL: tl.constexpr,
+    STAGES: tl.constexpr, LOCAL: tl.constexpr, KEEP_STEPS: tl.constexpr,
     WIDE: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
     # The body's loads and stores of T-step tiles are 16-byte vectors only where Triton
@@ -379,7 +398,7 @@ def _scan_bwd_kernel(
             B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn, s_D, s_bias, s_hb,
             s_hd, s_hn, n_blocks, rows, s_ob, s_od, s_ot, s_lb, s_ld, s_ln, s_kb, s_kd, s_kc,
             DSTATE, NS, NI, BD, T, CKPT, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_H0, HAS_DLAST,
-            VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES, LOCAL, WIDE, True,
+            VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES, LOCAL, KEEP_STEPS, WIDE, True,
         )  # fmt: skip
     else:
         _scan_bwd_body(
@@ -390,5 +409,5 @@ def _scan_bwd_kernel(
             B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn, s_D, s_bias, s_hb,
             s_hd, s_hn, n_blocks, rows, s_ob, s_od, s_ot, s_lb, s_ld, s_ln, s_kb, s_kd, s_kc,
             DSTATE, NS, NI, BD, T, CKPT, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_H0, HAS_DLAST,
-            VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES, LOCAL, WIDE, False,
+            VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES, LOCAL, KEEP_STEPS, WIDE, False,
         )  # fmt: skip
