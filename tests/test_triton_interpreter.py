@@ -238,7 +238,9 @@ def test_ranges_only_for_idle_gpus():
     cfg = scan.config(1536, 16, torch.bfloat16, B, B)
     count, length = scan.ranges(cfg, 1, 1536, 16384, varlen=False)
     assert count > 1 and length % scan.CKPT == 0 and (count - 1) * length < 16384 <= count * length
+    assert count == 32  # S3: 192 warps would take 10 ranges; once cut, FINER times finer
     assert scan.ranges(cfg, 8, 5120, 2048, varlen=False)[0] == 1
+    assert scan.ranges(cfg, 8, 1536, 2048, varlen=False)[0] == 1  # S1: not cut, nor finer
     assert scan.ranges(cfg, 1, 1536, 16384, varlen=True)[0] == 1
 
 
