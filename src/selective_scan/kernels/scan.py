@@ -423,6 +423,26 @@ def scan_fwd(
     return unpadded(out, p), last, ckpt
 
 
+def one_wave_cap(p: _Plan, u: Tensor) -> dict:
+    """A register cap for the backward launches of an eager call on a GPU, where it turns the
+    full launch's grid into one wave. The backward's usual kernel (T = 8, 16 padded states)
+    takes 255 registers: 8 one-warp programs per SM; capped at 168, 12. A grid of one to 1.5
+    waves of 8 then fits one wave of 12: S1 1.31 -> 1.27 ms, S4 (float32) 1.44 -> 1.33
+    (session 7, bench/NOTES.md). On fuller grids the cap's spills cost more than the occupancy
+    gains (S2 1.53 -> 2.05, S7 3.74 -> 4.27). Not for traced calls: wrap_triton takes no
+    register cap (their plans have no launchers)."""
+    if (
+        p.launchers is None
+        or not u.is_cuda
+        or "maxnreg" in p.cfg  # a tuning override (bench/tune_gpu.py) wins
+        or (p.cfg["T"], p.NP) != (8, 16)
+    ):
+        return {}
+    sms = torch.cuda.get_device_properties(u.device).multi_processor_count
+    programs = p.n_blocks * p.num_states * p.n_ranges
+    return {"maxnreg": 168} if 8 * sms < programs <= 12 * sms else {}
+
+
 def backward_align(p: _Plan, dout: Tensor) -> int:
     """The backward's ALIGN: the plan's, for dout's rows too (declared when the inputs' rows
     are multiples of 16 but dout's only of T; plain when dout is strided in time)."""
@@ -502,7 +522,7 @@ def scan_bwd(
     align = backward_align(p, dout)
     for local, grid in p.launches():
         flags = dict(SOFTPLUS=delta_softplus, HAS_DLAST=dlast_state is not None, LOCAL=local,
-                     KEEP_STEPS=keep, ALIGN=align)  # fmt: skip
+                     KEEP_STEPS=keep, ALIGN=align, **one_wave_cap(p, u))  # fmt: skip
         _launch(p, _scan_bwd_kernel, grid, tensors, scalars, flags)
 
     def empty():  # one placeholder per absent input: outputs must not alias each other
