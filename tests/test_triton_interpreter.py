@@ -244,6 +244,14 @@ def test_ranges_only_for_idle_gpus():
     assert scan.ranges(cfg, 1, 1536, 16384, varlen=True)[0] == 1
 
 
+@pytest.mark.parametrize("blocks", [640, 641, 12])
+def test_block_sums(blocks):
+    """dB/dC's per-block partial sums are summed in runs first where the blocks are many and
+    the sums few (S6: 640 blocks, two stages; 641 is prime: one stage): the same sums."""
+    part = torch.randn(1, 2, blocks, 4, 8, dtype=torch.float64)
+    torch.testing.assert_close(scan._sum_blocks(part), part.sum(2), rtol=1e-12, atol=1e-12)
+
+
 def test_broadcast_steps_are_copied(monkeypatch):
     """A per-step tensor whose steps are a broadcast (time stride 0, such as the gradient of a
     sum) is copied into fresh rows before the kernels read it (Triton lays a broadcast load's
@@ -263,7 +271,7 @@ def test_broadcast_steps_are_copied(monkeypatch):
         out.backward(dout_of(out))
         return [leaves[k].grad for k in sorted(names)]
 
-    expanded = grads(lambda out: torch.full((), 0.5, dtype=out.dtype).expand_as(out))
+    expanded = grads(lambda out: out.new_full((), 0.5).expand_as(out))
     contiguous = grads(lambda out: torch.full_like(out, 0.5))
     for a, b in zip(expanded, contiguous, strict=True):
         assert torch.equal(a, b)
