@@ -244,6 +244,35 @@ def test_ranges_only_for_idle_gpus():
     assert scan.ranges(cfg, 1, 1536, 16384, varlen=True)[0] == 1
 
 
+@pytest.mark.parametrize(
+    "programs, T, NP, eager, capped",
+    [
+        (1536, 8, 16, True, True),  # S1, S4: 1.45 waves of 8 per SM -> one wave of 12
+        (1056, 8, 16, True, False),  # one wave of 8 already
+        (2048, 8, 16, True, False),  # S2: more than a wave of 12
+        (1536, 4, 16, True, False),  # float64 tiles: not the kernel measured
+        (1536, 8, 8, True, False),  # 8 padded states: not the kernel measured
+        (1536, 8, 16, False, False),  # traced: wrap_triton takes no cap
+    ],
+)
+def test_one_wave_cap(programs, T, NP, eager, capped, monkeypatch):
+    """The backward's register cap (eager launches on the GPU) only where it turns the grid of
+    one-warp programs into one wave of 12 per SM (kernels/scan.py, one_wave_cap)."""
+    import types
+
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda device: types.SimpleNamespace(multi_processor_count=132),
+    )
+    p = types.SimpleNamespace(
+        launchers={} if eager else None, cfg=dict(T=T), NP=NP, n_blocks=programs // 8,
+        num_states=8, n_ranges=1,
+    )  # fmt: skip
+    u = types.SimpleNamespace(is_cuda=True, device="cuda:0")
+    assert scan.one_wave_cap(p, u) == ({"maxnreg": 168} if capped else {})
+
+
 @pytest.mark.parametrize("blocks", [640, 641, 12])
 def test_block_sums(blocks):
     """dB/dC's per-block partial sums are summed in runs first where the blocks are many and
