@@ -241,8 +241,8 @@ def ranges(cfg: dict, num_states, dim, seqlen, varlen: bool) -> tuple:
     warps = num_states * cdiv(dim, cfg["BD"]) * cfg["num_warps"]
     # A sequence cut at all (TARGET_WARPS at least twice the warps) is cut FINER times finer:
     # the local pass costs per step, not per range, and short ranges even out the waves. S3
-    # (192 warps, 10 -> 32 ranges): backward 1.58 -> 1.49 ms (session 7), forward 0.574 ->
-    # 0.521 (session 4). The factor is arithmetic, not a branch: no guard on symbolic sizes.
+    # (192 warps, 10 -> 32 ranges): backward 1.58 -> 1.49 ms, forward 0.519 -> 0.472 (session
+    # 7). The factor is arithmetic, not a branch: no guard on symbolic sizes.
     factor = 1 + (FINER - 1) * _sym_min(1, TARGET_WARPS // warps // 2)
     wanted = _sym_max(1, _sym_min(chunks, factor * TARGET_WARPS // warps))
     length = cdiv(chunks, wanted) * CKPT
@@ -537,9 +537,10 @@ def scan_bwd(
     )  # fmt: skip
     scalars = (p.n_blocks, p.rows, *dout.stride(), *last_strides, *checkpoints.stride()[:3])
     align = backward_align(p, dout)
+    cap = one_wave_cap(p, u)
     for local, grid in p.launches():
         flags = dict(SOFTPLUS=delta_softplus, HAS_DLAST=dlast_state is not None, LOCAL=local,
-                     KEEP_STEPS=keep, ALIGN=align, **one_wave_cap(p, u))  # fmt: skip
+                     KEEP_STEPS=keep, ALIGN=align, **cap)  # fmt: skip
         _launch(p, _scan_bwd_kernel, grid, tensors, scalars, flags)
 
     def empty():  # one placeholder per absent input: outputs must not alias each other
