@@ -5,7 +5,9 @@
 Each configuration is a set of overrides of the forward's tiles (kernels.scan.config: T, NS,
 NI, CH, num_warps, STAGES, and maxnreg, a register cap passed to Triton's compiler) and, with a
 "b." prefix, the backward's (kernels.scan.bwd_config), plus TW for scan.TARGET_WARPS. Prints one
-line per (shape, direction, configuration): median ms (do_bench).
+line per (shape, direction, configuration): median ms (do_bench) of eager calls, or with
+--graph of a CUDA-graph replay of the call: the kernels' time without the host's, which
+decides small shapes (S6) whose eager calls wait on the host.
 """
 
 from __future__ import annotations
@@ -21,6 +23,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import SCAN_INPUTS, make_bench_inputs
 
 from selective_scan.kernels import scan
+
+
+def timed(fn, graph: bool) -> float:
+    """Median ms of fn(), or of a CUDA-graph replay of it (compiled and warmed up first)."""
+    if not graph:
+        return do_bench(fn, warmup=50, rep=200, return_mode="median")
+    fn()
+    torch.cuda.synchronize()
+    replay = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(replay):
+        fn()
+    return do_bench(replay.replay, warmup=50, rep=200, return_mode="median")
 
 
 def parse(config: str) -> dict:
@@ -46,6 +60,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="S1,S7")
     parser.add_argument("--configs", default="")
     parser.add_argument("--which", default="fwd,bwd")
+    parser.add_argument("--graph", action="store_true", help="time CUDA-graph replays")
     args = parser.parse_args()
     for shape in args.shapes.split(","):
         x = make_bench_inputs(shape)
@@ -62,7 +77,7 @@ def main() -> None:
                     ),
                 }
                 for which in args.which.split(","):
-                    ms = do_bench(calls[which], warmup=50, rep=200, return_mode="median")
+                    ms = timed(calls[which], args.graph)
                     print(f"{shape} {which} {config or 'default':28s} {ms:8.4f} ms", flush=True)
             except Exception as e:
                 print(f"{shape} {config}: {type(e).__name__}: {str(e)[:200]}", flush=True)
