@@ -4,7 +4,8 @@ Same programs and tiles as the forward (scan_fwd.py). A program walks its sequen
 checkpoint chunk (CKPT steps) at a time, last chunk first:
 
 1. Recompute the states forward through the chunk from its checkpoint, saving the state that
-   enters each T-step tile in a small per-program scratch buffer.
+   enters each T-step tile in a small per-program scratch buffer (with KEEP_STEPS also the
+   tile's delta and softplus', which step 2 then loads instead of recomputing).
 2. Walk the chunk's tiles backwards. Per tile and state: recompute h from the tile's entry state,
    run the adjoint recurrence dh_t = C_t dy_t + exp(delta_{t+1} A) dh_{t+1} in-thread (the carry
    from the later tile enters at the last step), and accumulate the gradients:
