@@ -300,19 +300,24 @@ def main() -> None:
         "over >= 3x L2; bf16 unless noted; variable B/C, D, z, delta_bias, softplus",
         "shapes": {},
     }
+
+    def save() -> None:  # after every result: a run cut by its time limit keeps what it measured
+        (out_dir / "h200.json").write_text(json.dumps(results, indent=1))
+
     for shape in filter(None, args.shapes.split(",")):
         try:
             results["shapes"][shape] = bench_shape(shape)
         except Exception as e:  # keep the other shapes' numbers
             results["shapes"][shape] = {"error": repr(e)}
         print(shape, json.dumps(results["shapes"][shape]), flush=True)
+        save()
     for name in filter(None, args.extras.split(",")):
         try:
             results[name] = EXTRAS[name]()
         except Exception as e:
             results[name] = {"error": repr(e)}
         print(name, json.dumps(results[name]), flush=True)
-    (out_dir / "h200.json").write_text(json.dumps(results, indent=1))
+        save()
     print(
         f"\n{'shape':6} {'fwd ms':>8} {'anchor':>8} {'x':>5} {'floor%':>7} | "
         f"{'bwd ms':>8} {'anchor':>8} {'x':>5} {'floor%':>7} | peak MB"
