@@ -8,6 +8,8 @@ with an empty one, an initial state, float64 exactness and low-precision inputs.
 grid runs on the real kernels in test_gpu.py and, parametrized by backend, on a GPU machine.
 """
 
+import types
+
 import pytest
 import torch
 from conftest import TRITON_RUNS
@@ -53,8 +55,7 @@ CASES = {
     # default for 16-bit inputs), in float32's tighter bound, across chunks and ranges.
     "ranges-keep-steps": dict(seqlen=300, dstate=8, initial_state=True, keep_steps=True),
     # As traced with symbolic sizes: the kernels test the strides' divisibility by T at run
-    # time (float32: T = 4) and take the body declaring it, or the plain one. ("ranges-init"
-    # gets the declared body from the launcher: 300 is a multiple of T, not of 16.)
+    # time and take the body declaring it, or the plain one.
     "checked-aligned-ranges": dict(seqlen=300, dstate=8, initial_state=True, checked=True),
     "checked-unaligned": dict(seqlen=41, dtype=torch.bfloat16, dstate=5, checked=True),
 }  # fmt: skip
@@ -258,8 +259,6 @@ def test_ranges_only_for_idle_gpus():
 def test_one_wave_cap(programs, T, NP, eager, capped, monkeypatch):
     """The backward's register cap (eager launches on the GPU) only where it turns the grid of
     one-warp programs into one wave of 12 per SM (kernels/scan.py, one_wave_cap)."""
-    import types
-
     monkeypatch.setattr(
         torch.cuda,
         "get_device_properties",
