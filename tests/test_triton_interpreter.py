@@ -54,6 +54,10 @@ CASES = {
     # The backward's tile walk loading delta and softplus' from the scratch (KEEP_STEPS, the
     # default for 16-bit inputs), in float32's tighter bound, across chunks and ranges.
     "ranges-keep-steps": dict(seqlen=300, dstate=8, initial_state=True, keep_steps=True),
+    # The ranges' local passes on their own tiles (LOCAL_NS = 1: all states of a channel in one
+    # thread), grouped B: their results are read by the full passes' layout.
+    "ranges-local-lanes": dict(seqlen=300, dstate=8, initial_state=True, b_form="grouped",
+                               local_ns=1),
     # As traced with symbolic sizes: the kernels test the strides' divisibility by T at run
     # time and take the body declaring it, or the plain one.
     "checked-aligned-ranges": dict(seqlen=300, dstate=8, initial_state=True, checked=True),
@@ -70,6 +74,11 @@ def test_triton_kernels_match_oracle(name, monkeypatch):
     sliced = case.pop("sliced", False)
     if case.pop("keep_steps", False):
         monkeypatch.setattr(scan, "bwd_config", scan.overridden(scan.bwd_config, {"KEEP_STEPS": 1}))
+        monkeypatch.setattr(scan, "_PLANS", {})
+    if local_ns := case.pop("local_ns", None):
+        for name in ("config", "bwd_config"):
+            tiles = scan.overridden(getattr(scan, name), {"LOCAL_NS": local_ns})
+            monkeypatch.setattr(scan, name, tiles)
         monkeypatch.setattr(scan, "_PLANS", {})
     if case.pop("checked", False):
         monkeypatch.setattr(scan, "align_mode", lambda *sizes: scan.ALIGN_CHECKED)
@@ -243,6 +252,23 @@ def test_ranges_only_for_idle_gpus():
     assert scan.ranges(cfg, 8, 5120, 2048, varlen=False)[0] == 1
     assert scan.ranges(cfg, 8, 1536, 2048, varlen=False)[0] == 1  # S1: not cut, nor finer
     assert scan.ranges(cfg, 1, 1536, 16384, varlen=True)[0] == 1
+
+
+def test_local_pass_tiles(monkeypatch):
+    """The ranges' local pass takes its own tiles (LOCAL_NS) and grid; the full pass keeps the
+    plan's. By default both are the same."""
+    x = make_inputs(device="cpu", batch=1, dim=64, dstate=16, seqlen=1024, dtype=torch.bfloat16)
+    names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
+    inputs = [x.get(k) for k in names]
+    (local, local_grid, tiles), (full, grid, full_tiles) = scan._Plan(
+        scan.config, *inputs
+    ).launches()
+    assert (local, full, full_tiles) == (True, False, {})
+    assert tiles == dict(NS=4, NI=4, BD=8) and local_grid[0] == grid[0] == 8
+    monkeypatch.setattr(scan, "config", scan.overridden(scan.config, {"LOCAL_NS": 1}))
+    (_, local_grid, tiles), (_, grid, _) = scan._Plan(scan.config, *inputs).launches()
+    assert tiles == dict(NS=1, NI=16, BD=32) and (local_grid[0], grid[0]) == (2, 8)
+    assert local_grid[2] == grid[2] - 1 > 0  # every range but the first
 
 
 @pytest.mark.parametrize(

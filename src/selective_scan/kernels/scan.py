@@ -171,7 +171,7 @@ def _tiles(dim, dstate, B: Tensor, C: Tensor, T: int, NS: int) -> dict:
     partial sums belong to one group."""
     n_pad = triton.next_power_of_2(dstate)
     NS = min(NS, n_pad)
-    cfg = dict(T=T, NS=NS, NI=n_pad // NS, CH=1, num_warps=1, STAGES=3)
+    cfg = dict(T=T, NS=NS, NI=n_pad // NS, CH=1, num_warps=1, STAGES=3, LOCAL_NS=NS)
     return _derive_block(cfg, dim, B, C)
 
 
@@ -284,6 +284,10 @@ class _Plan:
         self.cfg = cfg = cfg_fn(dim, self.dstate, u.dtype, B, C, self.num_states, seqlen)
         self.NP = cfg["NS"] * cfg["NI"]
         self.n_blocks = cdiv(dim, cfg["BD"])
+        # The ranges' local pass may split the states over other lanes (LOCAL_NS): its results
+        # are indexed by channel and state, whatever the layout that computed them.
+        local_ns = min(cfg["LOCAL_NS"], self.NP)
+        self.local_tiles = _derive_block(dict(cfg, NS=local_ns, NI=self.NP // local_ns), dim, B, C)
         self.n_ranges, range_len = ranges(cfg, self.num_states, dim, seqlen, cu_seqlens is not None)
         T = cfg["T"]
         self.pad = pad = padded(seqlen, T)
@@ -331,12 +335,14 @@ class _Plan:
         return u, delta, A, Bb, Cb, D, z, delta_bias, initial_state, cu_seqlens
 
     def launches(self):
-        """(LOCAL flag, grid) of each launch: the ranges' local pass first when there are
-        several ranges (see scan_fwd.py), then the full pass."""
-        blocks, states, count = self.n_blocks, self.num_states, self.n_ranges
+        """(LOCAL flag, grid, tile flags) of each launch: the ranges' local pass first when
+        there are several ranges (see scan_fwd.py), with its own tiles, then the full pass."""
+        states, count = self.num_states, self.n_ranges
         if _may_exceed_one(count):
-            yield True, (blocks, states, count - 1)
-        yield False, (blocks, states, count)
+            lt = self.local_tiles
+            tiles = dict(NS=lt["NS"], NI=lt["NI"], BD=lt["BD"])
+            yield True, (cdiv(self.dim, lt["BD"]), states, count - 1), tiles
+        yield False, (self.n_blocks, states, count), {}
 
 
 # Plans of eager calls by layout (shapes, strides, dtypes, devices): a training loop repeats a
@@ -418,9 +424,9 @@ def scan_fwd(
     h_local, dt_sums = _range_buffers(u, p)
     tensors = (*p.tensors(*inputs), out, last, ckpt, h_local, dt_sums)
     strides = (*out.stride()[:2], *ckpt.stride()[:3], *last.stride()[:2])
-    for local, grid in p.launches():
+    for local, grid, tiles in p.launches():
         _launch(p, _scan_fwd_kernel, grid, tensors, strides,
-                dict(SOFTPLUS=delta_softplus, LOCAL=local))  # fmt: skip
+                dict(SOFTPLUS=delta_softplus, LOCAL=local, **tiles))  # fmt: skip
     return unpadded(out, p), last, ckpt
 
 
@@ -538,9 +544,10 @@ def scan_bwd(
     scalars = (p.n_blocks, p.rows, *dout.stride(), *last_strides, *checkpoints.stride()[:3])
     align = backward_align(p, dout)
     cap = one_wave_cap(p, u)
-    for local, grid in p.launches():
+    for local, grid, tiles in p.launches():
+        # The cap is the full pass's (its grid, its kernel); the local pass is a smaller kernel.
         flags = dict(SOFTPLUS=delta_softplus, HAS_DLAST=dlast_state is not None, LOCAL=local,
-                     KEEP_STEPS=keep, ALIGN=align, **cap)  # fmt: skip
+                     KEEP_STEPS=keep, ALIGN=align, **tiles, **({} if local else cap))  # fmt: skip
         _launch(p, _scan_bwd_kernel, grid, tensors, scalars, flags)
 
     def empty():  # one placeholder per absent input: outputs must not alias each other
