@@ -431,8 +431,8 @@ def scan_fwd(
 
 
 def one_wave_cap(p: _Plan, u: Tensor) -> dict:
-    """A register cap for the backward launches of an eager call on a GPU, where it turns the
-    full launch's grid into one wave. The backward's usual kernel (T = 8, 16 padded states)
+    """A register cap for the backward's full launch in an eager call on a GPU, where it turns
+    that launch's grid into one wave. The backward's usual kernel (T = 8, 16 padded states)
     takes 255 registers: 8 one-warp programs per SM; capped at 168, 12. A grid of one to 1.5
     waves of 8 then fits one wave of 12: S1 1.31 -> 1.27 ms, S4 (float32) 1.44 -> 1.33
     (session 7, bench/NOTES.md). On fuller grids the cap's spills cost more than the occupancy
