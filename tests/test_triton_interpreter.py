@@ -285,11 +285,7 @@ def test_local_pass_tiles(monkeypatch):
 def test_one_wave_cap(programs, T, NP, eager, capped, monkeypatch):
     """The backward's register cap (eager launches on the GPU) only where it turns the grid of
     one-warp programs into one wave of 12 per SM (kernels/scan.py, one_wave_cap)."""
-    monkeypatch.setattr(
-        torch.cuda,
-        "get_device_properties",
-        lambda device: types.SimpleNamespace(multi_processor_count=132),
-    )
+    monkeypatch.setattr(scan, "_sm_count", lambda device: 132)
     p = types.SimpleNamespace(
         launchers={} if eager else None, cfg=dict(T=T), NP=NP, n_blocks=programs // 8,
         num_states=8, n_ranges=1,

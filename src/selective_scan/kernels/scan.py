@@ -15,6 +15,7 @@ per-step input and output while a call runs (see `padded`).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -430,6 +431,12 @@ def scan_fwd(
     return unpadded(out, p), last, ckpt
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """SMs of a GPU, asked once: one_wave_cap runs on every eager backward."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def one_wave_cap(p: _Plan, u: Tensor) -> dict:
     """A register cap for the backward's full launch in an eager call on a GPU, where it turns
     that launch's grid into one wave. The backward's usual kernel (T = 8, 16 padded states)
@@ -445,7 +452,7 @@ def one_wave_cap(p: _Plan, u: Tensor) -> dict:
         or (p.cfg["T"], p.NP) != (8, 16)
     ):
         return {}
-    sms = torch.cuda.get_device_properties(u.device).multi_processor_count
+    sms = _sm_count(u.device)
     programs = p.n_blocks * p.num_states * p.n_ranges
     return {"maxnreg": 168} if 8 * sms < programs <= 12 * sms else {}
 
