@@ -11,6 +11,8 @@ from selective_scan import selective_scan_fn, selective_scan_ref
 from selective_scan._checks import compute_dtype
 
 OPTIONAL = ("D", "z", "delta_bias", "initial_state", "cu_seqlens")
+# The scan ops' tensor inputs in schema order (make_inputs' keys).
+SCAN_INPUTS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
 
 
 def make_inputs(

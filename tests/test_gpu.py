@@ -4,14 +4,13 @@ run on CPU under the Triton interpreter in test_triton_interpreter.py)."""
 
 import pytest
 import torch
-from helpers import float_inputs, make_inputs, oracle, rel_err
+from helpers import SCAN_INPUTS, float_inputs, make_inputs, oracle, rel_err
 
 from selective_scan import selective_scan_fn, selective_scan_ref
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 OPS = torch.ops.selective_scan
-FWD_ARGS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
 BOUND = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
@@ -117,9 +116,9 @@ def test_backward_is_deterministic():
         c_form="variable",
         groups=2,
     )
-    out, _, ckpt = OPS.scan_fwd_triton(*[inputs[k] for k in FWD_ARGS], True)
+    out, _, ckpt = OPS.scan_fwd_triton(*[inputs[k] for k in SCAN_INPUTS], True)
     dout = torch.randn_like(out)
-    runs = [OPS.scan_bwd_triton(dout, None, *[inputs[k] for k in FWD_ARGS], ckpt, True)
+    runs = [OPS.scan_bwd_triton(dout, None, *[inputs[k] for k in SCAN_INPUTS], ckpt, True)
             for _ in range(3)]  # fmt: skip
     for grads in runs[1:]:
         for a, b in zip(runs[0], grads, strict=True):
@@ -136,8 +135,8 @@ def _samples():
 
 
 def scan_fwd_bwd(inputs: dict, dout: torch.Tensor) -> list:
-    fwd = OPS.scan_fwd_triton(*[inputs[k] for k in FWD_ARGS], True)
-    return [*fwd, *OPS.scan_bwd_triton(dout, None, *[inputs[k] for k in FWD_ARGS], fwd[2], True)]
+    fwd = OPS.scan_fwd_triton(*[inputs[k] for k in SCAN_INPUTS], True)
+    return [*fwd, *OPS.scan_bwd_triton(dout, None, *[inputs[k] for k in SCAN_INPUTS], fwd[2], True)]
 
 
 @pytest.mark.parametrize("seqlen", [296, 2048])  # ranges (two launches each way), and one
@@ -177,12 +176,12 @@ def test_backward_with_unaligned_dout_rows():
     kernel, so the same gradients as from a contiguous copy, bit for bit."""
     inputs = make_inputs(device="cuda", batch=2, dim=96, dstate=16, seqlen=264,
                          dtype=torch.bfloat16)  # fmt: skip
-    fwd = OPS.scan_fwd_triton(*[inputs[k] for k in FWD_ARGS], True)
+    fwd = OPS.scan_fwd_triton(*[inputs[k] for k in SCAN_INPUTS], True)
     wide = torch.randn(2, 96, 265, device="cuda", dtype=torch.bfloat16)
     dout = wide[..., :264]
-    grads = OPS.scan_bwd_triton(dout, None, *[inputs[k] for k in FWD_ARGS], fwd[2], True)
+    grads = OPS.scan_bwd_triton(dout, None, *[inputs[k] for k in SCAN_INPUTS], fwd[2], True)
     expected = OPS.scan_bwd_triton(
-        dout.contiguous(), None, *[inputs[k] for k in FWD_ARGS], fwd[2], True
+        dout.contiguous(), None, *[inputs[k] for k in SCAN_INPUTS], fwd[2], True
     )
     for a, b in zip(grads, expected, strict=True):
         assert torch.equal(a, b)
@@ -201,12 +200,13 @@ def test_opcheck_triton_ops(index):
     inputs = list(_samples())[index]
     names = float_inputs(inputs)
     args = [inputs[k].clone().requires_grad_(k in names) if inputs[k] is not None else None
-            for k in FWD_ARGS]  # fmt: skip
+            for k in SCAN_INPUTS]  # fmt: skip
     torch.library.opcheck(OPS.scan_fwd_triton, (*args, True), **TRACED_TOL)
-    out, last, ckpt = OPS.scan_fwd_triton(*[inputs[k] for k in FWD_ARGS], True)
+    tensors = [inputs[k] for k in SCAN_INPUTS]
+    out, last, ckpt = OPS.scan_fwd_triton(*tensors, True)
     torch.library.opcheck(
         OPS.scan_bwd_triton,
-        (torch.randn_like(out), torch.randn_like(last), *[inputs[k] for k in FWD_ARGS], ckpt, True),
+        (torch.randn_like(out), torch.randn_like(last), *tensors, ckpt, True),
         **TRACED_TOL,
     )
 
@@ -223,7 +223,7 @@ def test_compile_dynamic_no_recompile():
     compiled = torch.compile(loss_fn, backend=counter, fullgraph=True, dynamic=True)
     for batch, seqlen in ((2, 256), (3, 256), (2, 999)):
         inputs = make_inputs(device="cuda", batch=batch, dim=64, dstate=16, seqlen=seqlen)
-        args = [inputs[k].requires_grad_() for k in FWD_ARGS[:8]]
+        args = [inputs[k].requires_grad_() for k in SCAN_INPUTS[:8]]
         loss = compiled(*args)
         loss.backward()
         grads = [a.grad.clone() for a in args]
@@ -248,7 +248,7 @@ def test_compile_static_padded_rows(seqlen):
         return out.float().square().mean() + last.square().mean()
 
     compiled = torch.compile(loss_fn, fullgraph=True, dynamic=False)
-    args = [inputs[k].requires_grad_() for k in FWD_ARGS[:8]]
+    args = [inputs[k].requires_grad_() for k in SCAN_INPUTS[:8]]
     compiled(*args).backward()
     grads = [a.grad.clone() for a in args]
     for a in args:
@@ -268,7 +268,7 @@ def test_export_and_aoti_package_builds(tmp_path):
             return selective_scan_fn(u, delta, A, B, C, D, z, delta_bias, True, True)
 
     inputs = make_inputs(device="cuda", batch=2, dim=64, dstate=16, seqlen=256)
-    args = tuple(inputs[k] for k in FWD_ARGS[:8])
+    args = tuple(inputs[k] for k in SCAN_INPUTS[:8])
     batch, seq = torch.export.Dim("batch", min=2, max=64), torch.export.Dim("seq", min=2)
     shapes = ({0: batch, 2: seq}, {0: batch, 2: seq}, None, {0: batch, 2: seq}, {0: batch, 2: seq},
               None, {0: batch, 2: seq}, None)  # fmt: skip
@@ -278,7 +278,7 @@ def test_export_and_aoti_package_builds(tmp_path):
     torch.export.save(ep, tmp_path / "scan.pt2")
     loaded = torch.export.load(tmp_path / "scan.pt2")
     other = make_inputs(device="cuda", batch=3, dim=64, dstate=16, seqlen=777, seed=3)
-    other_args = tuple(other[k] for k in FWD_ARGS[:8])
+    other_args = tuple(other[k] for k in SCAN_INPUTS[:8])
     for got, want in zip(loaded.module()(*other_args), Scan()(*other_args), strict=True):
         assert torch.equal(got, want)
     # A str path: torch 2.11 asserts that the returned path equals the one given.

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
-from helpers import make_inputs
+from helpers import SCAN_INPUTS, make_inputs
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 FWD = torch.ops.selective_scan.scan_fwd.default
 BWD = torch.ops.selective_scan.scan_bwd.default
-INPUTS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
 
 # (make_inputs arguments, delta_softplus): each B/C form, optional inputs present and absent,
 # initial_state, cu_seqlens (int32 and int64, with an empty sequence), several chunks, one step.
@@ -50,7 +49,7 @@ def inputs_for(kwargs: dict) -> dict:
 
 def fwd_args(inputs: dict, softplus: bool, requires_grad: bool = False) -> tuple:
     """The forward's arguments in schema order."""
-    tensors = [inputs[k] for k in INPUTS]
+    tensors = [inputs[k] for k in SCAN_INPUTS]
     if requires_grad:
         tensors = [
             t.detach().requires_grad_(True) if t is not None and t.is_floating_point() else t
@@ -65,7 +64,7 @@ def bwd_args(inputs: dict, softplus: bool, with_dlast: bool = True) -> tuple:
     gen = torch.Generator().manual_seed(3)
     dout = torch.randn(out.shape, generator=gen).to(out)
     dlast = torch.randn(last.shape, generator=gen).to(last) if with_dlast else None
-    return (dout, dlast, *(inputs[k] for k in INPUTS), checkpoints, softplus)
+    return (dout, dlast, *(inputs[k] for k in SCAN_INPUTS), checkpoints, softplus)
 
 
 @pytest.mark.parametrize(("kwargs", "softplus"), SAMPLES)

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 from conftest import TRITON_RUNS
-from helpers import float_inputs, make_inputs, oracle, rel_err
+from helpers import SCAN_INPUTS, float_inputs, make_inputs, oracle, rel_err
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from selective_scan import selective_scan_fn
@@ -171,11 +171,10 @@ def test_padded_rows(tiles, seqlen, layout, copied, rows, align):
         x["u"] = torch.randn(2, 16, seqlen + 1, dtype=torch.bfloat16)[..., :seqlen]
     if layout == "channels_last":
         x["u"] = x["u"].transpose(1, 2).contiguous().transpose(1, 2)
-    names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
-    p = scan._Plan(getattr(scan, tiles), *[x.get(k) for k in names])
+    p = scan._Plan(getattr(scan, tiles), *[x.get(k) for k in SCAN_INPUTS])
     assert (p.copied[0], p.rows, p.flags["ALIGN"]) == (copied, rows, align)
     assert p.flags["WIDE"] == (rows != seqlen)
-    u = p.tensors(*[x.get(k) for k in names])[0]
+    u = p.tensors(*[x.get(k) for k in SCAN_INPUTS])[0]
     T = p.cfg["T"]
     assert torch.equal(u, x["u"]) and (u.stride(1) % T == 0 or layout == "channels_last")
 
@@ -188,9 +187,8 @@ def test_traced_calls_pad_known_lengths_only():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     x = make_inputs(device="cpu", batch=2, dim=16, seqlen=2049, dtype=torch.bfloat16)
-    names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
     with FakeTensorMode() as mode:
-        fake = [None if x.get(k) is None else mode.from_tensor(x[k]) for k in names]
+        fake = [None if x.get(k) is None else mode.from_tensor(x[k]) for k in SCAN_INPUTS]
         p = scan._Plan(scan.config, *fake)
     assert (p.pad, p.rows, p.copied, p.flags["WIDE"]) == (True, 2064, [True] * 3, True)
     assert p.flags["ALIGN"] == scan.ALIGN_DECLARED
@@ -198,7 +196,7 @@ def test_traced_calls_pad_known_lengths_only():
     x = make_inputs(device="cpu", batch=2, dim=16, seqlen=2048, dtype=torch.bfloat16)
     x["u"] = torch.randn(2, 16, 2049, dtype=torch.bfloat16)[..., :2048]  # rows off T
     with FakeTensorMode() as mode:
-        fake = [None if x.get(k) is None else mode.from_tensor(x[k]) for k in names]
+        fake = [None if x.get(k) is None else mode.from_tensor(x[k]) for k in SCAN_INPUTS]
         p = scan._Plan(scan.config, *fake)
     assert (p.pad, p.copied) == (False, [False] * 3)
 
@@ -209,7 +207,7 @@ def test_traced_calls_pad_known_lengths_only():
         return u.new_empty(())
 
     x = make_inputs(device="cpu", batch=2, dim=16, seqlen=37, dtype=torch.bfloat16)
-    graph = make_fx(symbolic_plan, tracing_mode="symbolic")(*[x[k] for k in names[:8]])
+    graph = make_fx(symbolic_plan, tracing_mode="symbolic")(*[x[k] for k in SCAN_INPUTS[:8]])
     u = next(iter(graph.graph.nodes)).meta["val"]
     assert (plans[0].pad, plans[0].copied, plans[0].flags["WIDE"]) == (False, [False] * 3, False)
     assert plans[0].flags["ALIGN"] == scan.ALIGN_CHECKED
@@ -231,8 +229,7 @@ def test_traced_calls_pad_known_lengths_only():
 def test_backward_align(seqlen, dout_layout, align):
     """The backward declares aligned rows only when dout's rows are multiples of T too."""
     x = make_inputs(device="cpu", batch=2, dim=16, seqlen=seqlen, dtype=torch.bfloat16)
-    names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
-    p = scan._Plan(scan.bwd_config, *[x.get(k) for k in names])
+    p = scan._Plan(scan.bwd_config, *[x.get(k) for k in SCAN_INPUTS])
     dout = torch.randn(2, 16, seqlen, dtype=torch.bfloat16)
     if dout_layout == "channels_last":
         dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
@@ -258,8 +255,7 @@ def test_local_pass_tiles(monkeypatch):
     """The ranges' local pass takes its own tiles (LOCAL_NS) and grid; the full pass keeps the
     plan's. By default both are the same."""
     x = make_inputs(device="cpu", batch=1, dim=64, dstate=16, seqlen=1024, dtype=torch.bfloat16)
-    names = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
-    inputs = [x.get(k) for k in names]
+    inputs = [x.get(k) for k in SCAN_INPUTS]
     (local, local_grid, tiles), (full, grid, full_tiles) = scan._Plan(
         scan.config, *inputs
     ).launches()
