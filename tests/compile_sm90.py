@@ -23,7 +23,8 @@ def compile_case(case: dict) -> list[str]:
     names = []
     for kernel, _, args, kwargs in scan_launches(inputs, delta_softplus=True):
         compile_sm90(kernel, args, kwargs)
-        names.append(f"{kernel.__name__}(LOCAL={kwargs['LOCAL']})")
+        local = f"(LOCAL={kwargs['LOCAL']})" if "LOCAL" in kwargs else ""
+        names.append(kernel.__name__ + local)
     return names
 
 

@@ -17,7 +17,8 @@ from helpers import SCAN_INPUTS, float_inputs, make_inputs, oracle, rel_err
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from selective_scan import selective_scan_fn
-from selective_scan.kernels import scan
+from selective_scan.kernels import offline, scan
+from selective_scan.kernels.bc_blocks import _bc_blocks_kernel
 
 pytestmark = [
     pytest.mark.skipif(not TRITON_RUNS, reason="needs triton (a GPU or the interpreter)"),
@@ -114,25 +115,38 @@ def test_triton_kernels_match_oracle(name, monkeypatch):
 
 
 def test_blocked_bc_layout():
-    """bc_blocks: (batch, groups, tiles, NP, T), zero-padded in time and states."""
-    B = torch.randn(2, 3, 5, 21, dtype=torch.float64).transpose(2, 3).contiguous().transpose(2, 3)
-    blocks = scan.bc_blocks(B, 4, 8, torch.float32)
-    assert blocks.shape == (2, 3, 6, 8, 4) and blocks.is_contiguous()
-    for t in (0, 7, 20, 23):
-        for n in (0, 4, 7):
-            want = B[1, 2, n, t].float() if t < 21 and n < 5 else torch.tensor(0.0)
-            assert blocks[1, 2, t // 4, n, t % 4] == want
+    """bc_blocks: (batch, groups, tiles, NP, T), zero-padded in time and states, for B and C
+    of other group counts and strides in one launch, or for either alone."""
+    B = torch.randn(2, 3, 5, 21, dtype=torch.float64, device=DEVICE)
+    B = B.transpose(2, 3).contiguous().transpose(2, 3)
+    C = torch.randn(2, 5, 21, device=DEVICE)
+    const = torch.randn(7, 5, device=DEVICE)
+    for src, blocks in (*zip((B, C), scan.bc_blocks(B, C, 4, 8, torch.float32), strict=True),
+                        (B, scan.bc_blocks(B, const, 4, 8, torch.float32)[0]),
+                        (C, scan.bc_blocks(const, C, 4, 8, torch.float32)[1])):  # fmt: skip
+        src = src if src.dim() == 4 else src.unsqueeze(1)
+        want = torch.zeros(2, src.shape[1], 8, 24, device=DEVICE)
+        want[:, :, :5, :21] = src
+        assert blocks.shape == (2, src.shape[1], 6, 8, 4) and blocks.is_contiguous()
+        want = want.unflatten(3, (6, 4)).transpose(2, 3)
+        torch.testing.assert_close(blocks, want, rtol=0, atol=0)
+    assert scan.bc_blocks(const, const, 4, 8, torch.float32) == (const, const)
 
 
 def test_blocked_bc_adds_no_guard_for_symbolic_seqlen():
     """With a symbolic seqlen (torch.export, compile(dynamic=True)), blocking B/C guards on
     nothing: a size-1 tile dimension used to add `ceil(seqlen / T) != 1`, which an export with a
-    dynamic seqlen as short as T steps violates (seen exporting the LM on the GPU)."""
-    traced = make_fx(lambda B: scan.bc_blocks(B, 4, 8, torch.float32), tracing_mode="symbolic")
-    graph = traced(torch.randn(2, 4, 37))
+    dynamic seqlen as short as T steps violates (seen exporting the LM on the GPU). Launches
+    are recorded, not run: in a traced op they become wrap_triton's graph nodes."""
+    traced = make_fx(lambda B: scan.bc_blocks(B, B, 4, 8, torch.float32), tracing_mode="symbolic")
+    graphs = []
+    launches = offline.record_launches(lambda: graphs.append(traced(torch.randn(2, 4, 37))))
+    assert [k for k, *_ in launches] == [_bc_blocks_kernel]
+    graph = graphs[0]
     shape_env = next(iter(graph.graph.nodes)).meta["val"].fake_mode.shape_env
     assert [str(g.expr) for g in shape_env.guards] == []
-    assert scan.bc_blocks(torch.randn(1, 4, 3), 4, 8, torch.float32).shape == (1, 1, 2, 8, 4)
+    short = torch.randn(1, 4, 3)
+    assert scan.bc_blocks(short, short, 4, 8, torch.float32)[0].shape == (1, 1, 2, 8, 4)
 
 
 def test_align_modes():

@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.library import wrap_triton
 
 from .._checks import check_cu_seqlens_values, check_scan_inputs, checkpoint_slots, compute_dtype
+from .bc_blocks import _bc_blocks_kernel
 from .launch import Launcher, is_plain_eager
 from .scan_bwd import _scan_bwd_kernel
 from .scan_fwd import _scan_fwd_kernel
@@ -133,18 +134,33 @@ def bc_tiles(seqlen, T: int):
     return _sym_max(cdiv(seqlen, T), 2)
 
 
-def bc_blocks(t: Tensor, T: int, NP: int, dtype: torch.dtype) -> Tensor:
-    """Variable B or C (batch, [groups,] dstate, seqlen), any strides -> contiguous
-    (batch, groups, bc_tiles(seqlen, T), NP, T) in dtype, zero-padded in time and states: every
-    (tile, state) row is T contiguous values the kernels load without masks or conversion.
-    Costs one pass over B (batch * groups * dstate * seqlen elements, small next to u)."""
-    t4 = t if t.dim() == 4 else t.unsqueeze(1)
-    batch, groups, dstate, seqlen = t4.shape
+def bc_blocks(B: Tensor, C: Tensor, T: int, NP: int, dtype: torch.dtype, launchers=None) -> tuple:
+    """(B, C) with each variable one, (batch, [groups,] dstate, seqlen) with any strides, as
+    contiguous (batch, groups, bc_tiles(seqlen, T), NP, T) blocks in dtype, zero-padded in time
+    and states: every (tile, state) row is T contiguous values the kernels load without masks
+    or conversion. One launch for both (kernels/bc_blocks.py): torch's pad and copy took 4
+    launches, 9.5 us of S6's 37 us forward (session 7). Costs one pass over B and C (batch *
+    groups * dstate * seqlen elements each, small next to u). Constant B/C pass through."""
+    var = [t for t in (B, C) if t.dim() > 2]
+    if not var:
+        return B, C
+    rows4 = [t if t.dim() == 4 else t.unsqueeze(1) for t in var]
+    batch, _, dstate, seqlen = rows4[0].shape
     tiles = bc_tiles(seqlen, T)
-    padded = torch.nn.functional.pad(t4, (0, tiles * T - seqlen, 0, NP - dstate))
-    blocks = t.new_empty((batch, groups, tiles, NP, T), dtype=dtype)
-    blocks.copy_(padded.view(batch, groups, NP, tiles, T).transpose(2, 3))
-    return blocks
+    blocks = [t.new_empty((batch, t.shape[1], tiles, NP, T), dtype=dtype) for t in rows4]
+    G = _sym_max(rows4[0].shape[1], rows4[-1].shape[1])
+    per_source = (*rows4[-1].shape[1:2], *rows4[-1].stride())
+    args = (seqlen, dstate, tiles, G, *rows4[0].shape[1:2], *rows4[0].stride(), *per_source)
+    TILES = max(1, BC_BLOCK_ELEMENTS // (NP * T))
+    grid = (cdiv(tiles, TILES), batch * G, len(var))
+    tensors = (var[0], var[-1], blocks[0], blocks[-1])  # one source: it is B and C alike
+    options = dict(NP=NP, T=T, TILES=TILES, num_warps=4)
+    _launch_kernel(launchers, _bc_blocks_kernel, grid, tensors, args, options, key=("bc",))
+    made = iter(blocks)
+    return tuple(next(made) if t.dim() > 2 else t for t in (B, C))
+
+
+BC_BLOCK_ELEMENTS = 2048  # elements a program of _bc_blocks_kernel writes
 
 
 def _bc_args(t: Tensor, dim) -> tuple:
@@ -326,9 +342,7 @@ class _Plan:
     def tensors(self, u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens) -> tuple:
         """The kernels' leading tensor arguments: the inputs, variable B/C pre-blocked, per-step
         inputs in padded rows where the plan says so."""
-        T, NP, cdt = self.cfg["T"], self.NP, self.cdt
-        Bb = bc_blocks(B, T, NP, cdt) if B.dim() > 2 else B
-        Cb = bc_blocks(C, T, NP, cdt) if C.dim() > 2 else C
+        Bb, Cb = bc_blocks(B, C, self.cfg["T"], self.NP, self.cdt, self.launchers)
         u, delta, z = (
             staged(t, self) if copy else t
             for t, copy in zip((u, delta, z), self.copied, strict=True)
@@ -374,19 +388,23 @@ def plan(cfg_fn, *inputs) -> _Plan:
 
 
 def _launch(p: _Plan, kernel, grid: tuple, tensors: tuple, scalars: tuple, flags: dict) -> None:
-    """kernel[grid](*tensors, *p.args, *scalars, **p.flags, **flags): directly for eager calls
-    of a cached plan on CUDA tensors (launch.py), through wrap_triton otherwise (traced, or the
-    interpreter). ``scalars`` and ``flags`` are what the launch adds to the plan; they pick its
-    launcher."""
-    options = p.flags | flags  # the launch's flags win
-    if p.launchers is None or not tensors[0].is_cuda or not is_plain_eager(tensors[:1]):
-        wrap_triton(kernel)[grid](*tensors, *p.args, *scalars, **options)
+    """kernel[grid](*tensors, *p.args, *scalars, **p.flags, **flags), see _launch_kernel.
+    ``scalars`` and ``flags`` are what the launch adds to the plan; they pick its launcher."""
+    _launch_kernel(p.launchers, kernel, grid, tensors, (*p.args, *scalars), p.flags | flags,
+                   key=(kernel, grid, scalars, *flags.values()))  # fmt: skip
+
+
+def _launch_kernel(launchers, kernel, grid, tensors, args, options, key) -> None:
+    """kernel[grid](*tensors, *args, **options): directly for eager calls of a cached plan on
+    CUDA tensors (launch.py; ``launchers`` is the plan's, by ``key``), through wrap_triton
+    otherwise (traced, or the interpreter)."""
+    if launchers is None or not tensors[0].is_cuda or not is_plain_eager(tensors[:1]):
+        wrap_triton(kernel)[grid](*tensors, *args, **options)
         return
-    key = (kernel, grid, scalars, *flags.values())
-    launcher = p.launchers.get(key)
+    launcher = launchers.get(key)
     if launcher is None:
-        launcher = Launcher(kernel, grid, (*p.args, *scalars), options)
-        p.launchers[key] = launcher
+        launcher = Launcher(kernel, grid, args, options)
+        launchers[key] = launcher
     launcher(*tensors)
 
 
