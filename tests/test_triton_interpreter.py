@@ -55,10 +55,11 @@ CASES = {
     # The backward's tile walk loading delta and softplus' from the scratch (KEEP_STEPS, the
     # default for 16-bit inputs), in float32's tighter bound, across chunks and ranges.
     "ranges-keep-steps": dict(seqlen=300, dstate=8, initial_state=True, keep_steps=True),
-    # The ranges' local passes on their own tiles (LOCAL_NS = 1: all states of a channel in one
-    # thread), grouped B: their results are read by the full passes' layout.
+    # The ranges' local passes take their own tiles by default (LOCAL_NS: all states of a
+    # channel in one thread forward, 2 lanes backward); here the full passes' (4 lanes), with
+    # grouped B.
     "ranges-local-lanes": dict(seqlen=300, dstate=8, initial_state=True, b_form="grouped",
-                               local_ns=1),
+                               local_ns=4),
     # As traced with symbolic sizes: the kernels test the strides' divisibility by T at run
     # time and take the body declaring it, or the plain one.
     "checked-aligned-ranges": dict(seqlen=300, dstate=8, initial_state=True, checked=True),
@@ -267,20 +268,22 @@ def test_ranges_only_for_idle_gpus():
 
 def test_local_pass_tiles(monkeypatch):
     """The ranges' local pass takes its own tiles (LOCAL_NS) and grid; the full pass keeps the
-    plan's. By default both are the same."""
+    plan's. By default the forward's local pass has 1 lane a channel, the backward's 2."""
     x = make_inputs(device="cpu", batch=1, dim=64, dstate=16, seqlen=1024, dtype=torch.bfloat16)
     inputs = [x.get(k) for k in SCAN_INPUTS]
     (local, local_grid, tiles), (full, grid, full_tiles) = scan._Plan(
         scan.config, *inputs
     ).launches()
     assert (local, full, full_tiles) == (True, False, {})
-    assert tiles == dict(NS=4, NI=4, BD=8) and local_grid[0] == grid[0] == 8
-    monkeypatch.setattr(scan, "config", scan.overridden(scan.config, {"LOCAL_NS": 1}))
-    (_, local_grid, tiles), (_, grid, _) = scan._Plan(scan.config, *inputs).launches()
     assert tiles == dict(NS=1, NI=16, BD=32) and (local_grid[0], grid[0]) == (2, 8)
     assert local_grid[2] == grid[2] - 1 > 0  # every range but the first
 
 
+    (_, local_grid, tiles), (_, grid, _) = scan._Plan(scan.bwd_config, *inputs).launches()
+    assert tiles == dict(NS=2, NI=8, BD=16) and (local_grid[0], grid[0]) == (4, 8)
+    monkeypatch.setattr(scan, "config", scan.overridden(scan.config, {"LOCAL_NS": 4}))
+    (_, local_grid, tiles), (_, grid, _) = scan._Plan(scan.config, *inputs).launches()
+    assert tiles == dict(NS=4, NI=4, BD=8) and local_grid[0] == grid[0] == 8
 @pytest.mark.parametrize(
     "programs, T, NP, eager, capped",
     [

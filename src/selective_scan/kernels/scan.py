@@ -202,7 +202,10 @@ def config(
     to 16 took S1's size with 2056 steps 0.560 ms, against 0.310 with T = 8 (session 5). 4 lanes
     per channel, or 2 where programs of 2-lane channels still give TARGET_WARPS warps (S5, S7:
     7-8% faster; S1, S2: 13-30% slower with 2). Symbolic sizes (torch.compile(dynamic=True),
-    torch.export) get T = 16 and 4 lanes: choosing would guard on them."""
+    torch.export) get T = 16 and 4 lanes: choosing would guard on them. The ranges' local pass
+    (see `ranges`) keeps all states of a channel in one thread (LOCAL_NS = 1): it is bound by
+    the SFU, and 4 lanes repeated each step's softplus on every lane (S3 0.459 -> 0.396 ms,
+    session 8)."""
     T = 16 if dtype.itemsize <= 4 else 8
     if isinstance(seqlen, int) and seqlen % T != 0 and seqlen % (T // 2) == 0:
         T //= 2
@@ -212,8 +215,8 @@ def config(
         all(isinstance(v, int) for v in sizes)
         and num_states * cdiv(dim, narrow["BD"]) >= TARGET_WARPS
     ):
-        return narrow
-    return _tiles(dim, dstate, B, C, T, NS=4)
+        return narrow | {"LOCAL_NS": 1}
+    return _tiles(dim, dstate, B, C, T, NS=4) | {"LOCAL_NS": 1}
 
 
 def bwd_config(
@@ -225,9 +228,10 @@ def bwd_config(
     float32 with T = 4 took 2.75 ms at S4 against 1.93 with 8 (session 6), more than padding
     rows costs. KEEP_STEPS (16-bit inputs): the tile walk loads delta and softplus' from the
     scratch (kernels/scan_bwd.py): 5% faster on S1, S2, S3, S5, S7, but S4 (float32) 1.46 ->
-    1.68 ms (session 7, not explained)."""
+    1.68 ms (session 7, not explained). The ranges' local pass takes 2 lanes a channel
+    (LOCAL_NS): S3 1.462 -> 1.371 ms, against 1.404 with 1 lane (session 8)."""
     cfg = _tiles(dim, dstate, B, C, T=8 if dtype.itemsize <= 4 else 4, NS=4)
-    return cfg | {"KEEP_STEPS": int(dtype.itemsize == 2)}
+    return cfg | {"KEEP_STEPS": int(dtype.itemsize == 2), "LOCAL_NS": 2}
 
 
 def _derive_block(cfg: dict, dim, B: Tensor, C: Tensor) -> dict:
