@@ -263,6 +263,8 @@ def test_ranges_only_for_idle_gpus():
     assert count == 32  # S3: 192 warps would take 10 ranges; once cut, FINER times finer
     assert scan.ranges(cfg, 8, 5120, 2048, varlen=False)[0] == 1
     assert scan.ranges(cfg, 8, 1536, 2048, varlen=False)[0] == 1  # S1: not cut, nor finer
+    assert scan.ranges(cfg, 1, 5120, 256, varlen=False)[0] == 1  # S6: 2 ranges would not pay
+    assert scan.ranges(cfg, 1, 5120, 384, varlen=False)[0] == scan.MIN_RANGES
     assert scan.ranges(cfg, 1, 1536, 16384, varlen=True)[0] == 1
 
 
@@ -277,13 +279,13 @@ def test_local_pass_tiles(monkeypatch):
     assert (local, full, full_tiles) == (True, False, {})
     assert tiles == dict(NS=1, NI=16, BD=32) and (local_grid[0], grid[0]) == (2, 8)
     assert local_grid[2] == grid[2] - 1 > 0  # every range but the first
-
-
     (_, local_grid, tiles), (_, grid, _) = scan._Plan(scan.bwd_config, *inputs).launches()
     assert tiles == dict(NS=2, NI=8, BD=16) and (local_grid[0], grid[0]) == (4, 8)
     monkeypatch.setattr(scan, "config", scan.overridden(scan.config, {"LOCAL_NS": 4}))
     (_, local_grid, tiles), (_, grid, _) = scan._Plan(scan.config, *inputs).launches()
     assert tiles == dict(NS=4, NI=4, BD=8) and local_grid[0] == grid[0] == 8
+
+
 @pytest.mark.parametrize(
     "programs, T, NP, eager, capped",
     [
