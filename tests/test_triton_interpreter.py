@@ -15,6 +15,7 @@ import torch
 from conftest import TRITON_RUNS
 from helpers import SCAN_INPUTS, float_inputs, make_inputs, oracle, rel_err
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from selective_scan import selective_scan_fn
 from selective_scan.kernels import offline, scan
@@ -268,22 +269,37 @@ def test_ranges_only_for_idle_gpus():
     assert scan.ranges(cfg, 1, 1536, 16384, varlen=True)[0] == 1
 
 
+def test_forward_lanes():
+    """The forward takes 2 lanes a channel where 2-lane programs fill the GPU (S5, S7) or
+    where 4 lanes would cut the sequence into ranges (S3), else 4 (S1, S6, packed sequences,
+    symbolic sizes)."""
+    B = torch.empty(1, 16, 8)
+
+    def lanes(num_states, dim, seqlen, varlen=False):
+        return scan.config(dim, 16, torch.bfloat16, B, B, num_states, seqlen, varlen)["NS"]
+
+    assert lanes(16, 2048, 1024) == lanes(8, 5120, 2048) == lanes(1, 1536, 16384) == 2
+    assert lanes(8, 1536, 2048) == lanes(1, 5120, 256) == lanes(1, 1536, 16384, True) == 4
+    assert lanes(1, 1536, ShapeEnv().create_unbacked_symint()) == 4
+
+
 def test_local_pass_tiles(monkeypatch):
     """The ranges' local pass takes its own tiles (LOCAL_NS) and grid; the full pass keeps the
-    plan's. By default the forward's local pass has 1 lane a channel, the backward's 2."""
+    plan's. By default the forward's local pass has 1 lane a channel (its full pass 2: the
+    sequence is cut), the backward's 2 (its full pass 4)."""
     x = make_inputs(device="cpu", batch=1, dim=64, dstate=16, seqlen=1024, dtype=torch.bfloat16)
     inputs = [x.get(k) for k in SCAN_INPUTS]
     (local, local_grid, tiles), (full, grid, full_tiles) = scan._Plan(
         scan.config, *inputs
     ).launches()
     assert (local, full, full_tiles) == (True, False, {})
-    assert tiles == dict(NS=1, NI=16, BD=32) and (local_grid[0], grid[0]) == (2, 8)
+    assert tiles == dict(NS=1, NI=16, BD=32) and (local_grid[0], grid[0]) == (2, 4)
     assert local_grid[2] == grid[2] - 1 > 0  # every range but the first
     (_, local_grid, tiles), (_, grid, _) = scan._Plan(scan.bwd_config, *inputs).launches()
     assert tiles == dict(NS=2, NI=8, BD=16) and (local_grid[0], grid[0]) == (4, 8)
-    monkeypatch.setattr(scan, "config", scan.overridden(scan.config, {"LOCAL_NS": 4}))
+    monkeypatch.setattr(scan, "config", scan.overridden(scan.config, {"LOCAL_NS": 2}))
     (_, local_grid, tiles), (_, grid, _) = scan._Plan(scan.config, *inputs).launches()
-    assert tiles == dict(NS=4, NI=4, BD=8) and local_grid[0] == grid[0] == 8
+    assert tiles == dict(NS=2, NI=8, BD=16) and local_grid[0] == grid[0] == 4
 
 
 @pytest.mark.parametrize(

@@ -193,7 +193,7 @@ def _tiles(dim, dstate, B: Tensor, C: Tensor, T: int, NS: int) -> dict:
 
 
 def config(
-    dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor, num_states=1, seqlen=None
+    dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor, num_states=1, seqlen=None, varlen=False
 ) -> dict:
     """Tiles of the forward (measured on the H200, bench/NOTES.md, session 6). T = 16 steps per
     thread (two 16-byte vectors of a 16-bit input, four of float32; 8 steps in float64): 10%
@@ -201,7 +201,9 @@ def config(
     0.673 -> 0.299). A known length that 16 does not divide but 8 does gets T = 8: rows padded
     to 16 took S1's size with 2056 steps 0.560 ms, against 0.310 with T = 8 (session 5). 4 lanes
     per channel, or 2 where programs of 2-lane channels still give TARGET_WARPS warps (S5, S7:
-    7-8% faster; S1, S2: 13-30% slower with 2). Symbolic sizes (torch.compile(dynamic=True),
+    7-8% faster; S1, S2: 13-30% slower with 2), or where 4 lanes would cut the sequence into
+    ranges (S3 0.394 -> 0.384 ms, session 8: the cut makes the warps, and the per-step work
+    repeated on each lane of a channel is halved). Symbolic sizes (torch.compile(dynamic=True),
     torch.export) get T = 16 and 4 lanes: choosing would guard on them. The ranges' local pass
     (see `ranges`) keeps all states of a channel in one thread (LOCAL_NS = 1): it is bound by
     the SFU, and 4 lanes repeated each step's softplus on every lane (S3 0.459 -> 0.396 ms,
@@ -210,17 +212,17 @@ def config(
     if isinstance(seqlen, int) and seqlen % T != 0 and seqlen % (T // 2) == 0:
         T //= 2
     narrow = _tiles(dim, dstate, B, C, T, NS=2)
-    sizes = (num_states, dim)
-    if (
-        all(isinstance(v, int) for v in sizes)
-        and num_states * cdiv(dim, narrow["BD"]) >= TARGET_WARPS
+    wide = _tiles(dim, dstate, B, C, T, NS=4)
+    if all(isinstance(v, int) for v in (num_states, dim)) and (
+        num_states * cdiv(dim, narrow["BD"]) >= TARGET_WARPS
+        or (isinstance(seqlen, int) and ranges(wide, num_states, dim, seqlen, varlen)[0] > 1)
     ):
         return narrow | {"LOCAL_NS": 1}
-    return _tiles(dim, dstate, B, C, T, NS=4) | {"LOCAL_NS": 1}
+    return wide | {"LOCAL_NS": 1}
 
 
 def bwd_config(
-    dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor, num_states=1, seqlen=None
+    dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor, num_states=1, seqlen=None, varlen=False
 ) -> dict:
     """Tiles of the backward: one 16-byte vector of a 16-bit input per thread (T = 8; float32
     too, 4 in float64), 4 lanes per channel, for any length. Longer tiles or fewer lanes spill
@@ -306,14 +308,15 @@ class _Plan:
         self.batch, self.dim, self.seqlen = batch, dim, seqlen = u.shape
         self.dstate = A.shape[1]
         self.num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        self.cfg = cfg = cfg_fn(dim, self.dstate, u.dtype, B, C, self.num_states, seqlen)
+        varlen = cu_seqlens is not None
+        self.cfg = cfg = cfg_fn(dim, self.dstate, u.dtype, B, C, self.num_states, seqlen, varlen)
         self.NP = cfg["NS"] * cfg["NI"]
         self.n_blocks = cdiv(dim, cfg["BD"])
         # The ranges' local pass may split the states over other lanes (LOCAL_NS): its results
         # are indexed by channel and state, whatever the layout that computed them.
         local_ns = min(cfg["LOCAL_NS"], self.NP)
         self.local_tiles = _derive_block(dict(cfg, NS=local_ns, NI=self.NP // local_ns), dim, B, C)
-        self.n_ranges, range_len = ranges(cfg, self.num_states, dim, seqlen, cu_seqlens is not None)
+        self.n_ranges, range_len = ranges(cfg, self.num_states, dim, seqlen, varlen)
         T = cfg["T"]
         self.pad = pad = padded(seqlen, T)
         self.rows = cdiv(seqlen, T) * T if pad else seqlen
