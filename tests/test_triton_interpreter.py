@@ -151,6 +151,22 @@ def test_blocked_bc_adds_no_guard_for_symbolic_seqlen():
     assert scan.bc_blocks(short, short, 4, 8, torch.float32)[0].shape == (1, 1, 2, 8, 4)
 
 
+def test_blocked_bc_outputs_distinct():
+    """With one variable source (constant B, grouped C), the launch gets its blocks once and an
+    empty spare in the other output slot. Passed as both outputs, the blocks were cloned twice
+    when a traced call was functionalized (torch.compile, export, opcheck) and the clone never
+    written was returned: opcheck failed on the H200 (session 8), and make_fx(functionalize)
+    on CPU showed the graph returning the 'Cb_ptr' clone. Launches are recorded, not run."""
+    const, grouped = torch.randn(7, 4), torch.randn(2, 2, 4, 7)
+    outputs = []
+    launches = offline.record_launches(
+        lambda: outputs.extend(scan.bc_blocks(const, grouped, 16, 4, torch.float32))
+    )
+    ((_, grid, args, _),) = launches
+    assert grid[2] == 1 and args[0] is args[1] is grouped  # one source, read as both
+    assert args[2] is outputs[1] and args[3].numel() == 0 and outputs[0] is const
+
+
 def test_align_modes():
     """Divisibility comes from Triton's specialization (multiples of 16), from the launcher
     (other multiples of T), or from a run-time check in the kernel (symbolic sizes)."""

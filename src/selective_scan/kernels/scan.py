@@ -153,7 +153,12 @@ def bc_blocks(B: Tensor, C: Tensor, T: int, NP: int, dtype: torch.dtype, launche
     args = (seqlen, dstate, tiles, G, *rows4[0].shape[1:2], *rows4[0].stride(), *per_source)
     TILES = max(1, BC_BLOCK_ELEMENTS // (NP * T))
     grid = (cdiv(tiles, TILES), batch * G, len(var))
-    tensors = (var[0], var[-1], blocks[0], blocks[-1])  # one source: it is B and C alike
+    # One source is read as both; its blocks are written once, the spare output slot gets an
+    # empty tensor: a tensor passed twice as a kernel's output is cloned twice when a traced
+    # call is functionalized, and the clone kept was the one never written (opcheck of
+    # constant B and grouped C failed on the H200; test_blocked_bc_outputs_distinct).
+    spare = blocks[0].new_empty((0,))
+    tensors = (var[0], var[-1], blocks[0], blocks[1] if len(blocks) > 1 else spare)
     options = dict(NP=NP, T=T, TILES=TILES, num_warps=4)
     _launch_kernel(launchers, _bc_blocks_kernel, grid, tensors, args, options, key=("bc",))
     made = iter(blocks)
