@@ -147,7 +147,7 @@ def test_blocked_bc_adds_no_guard_for_symbolic_seqlen():
     graph = graphs[0]
     shape_env = next(iter(graph.graph.nodes)).meta["val"].fake_mode.shape_env
     assert [str(g.expr) for g in shape_env.guards] == []
-    short = torch.randn(1, 4, 3)
+    short = torch.randn(1, 4, 3, device=DEVICE)
     assert scan.bc_blocks(short, short, 4, 8, torch.float32)[0].shape == (1, 1, 2, 8, 4)
 
 
@@ -198,9 +198,9 @@ def test_align_modes():
 )
 def test_padded_rows(tiles, seqlen, layout, copied, rows, align):
     """Which per-step inputs a launch copies into fresh rows, the rows' length, its ALIGN."""
-    x = make_inputs(device="cpu", batch=2, dim=16, seqlen=seqlen, dtype=torch.bfloat16)
+    x = make_inputs(device=DEVICE, batch=2, dim=16, seqlen=seqlen, dtype=torch.bfloat16)
     if layout == "sliced":
-        x["u"] = torch.randn(2, 16, seqlen + 1, dtype=torch.bfloat16)[..., :seqlen]
+        x["u"] = torch.randn(2, 16, seqlen + 1, dtype=torch.bfloat16, device=DEVICE)[..., :seqlen]
     if layout == "channels_last":
         x["u"] = x["u"].transpose(1, 2).contiguous().transpose(1, 2)
     p = scan._Plan(getattr(scan, tiles), *[x.get(k) for k in SCAN_INPUTS])
