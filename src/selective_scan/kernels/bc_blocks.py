@@ -3,8 +3,9 @@
 A source (batch, [groups,] dstate, seqlen) with any strides becomes contiguous (batch, groups,
 tiles, NP, T) blocks in the compute dtype, zero past seqlen and past dstate: the layout whose
 (state, tile) rows the scan kernels load as whole aligned vectors (see kernels/scan.py,
-bc_blocks). Program (k, row, which) writes TILES tiles of row (batch * G + group, G the larger
-group count of the two sources) of B (which = 0) or C (which = 1).
+bc_blocks). Program (row, k, which) writes the k-th TILES tiles of row batch * G + group (G
+the larger group count of the two sources) of B (which = 0) or C (which = 1). Rows lie on the
+grid's first axis, whose limit is 2^31 - 1 programs (65535 on the others).
 """
 
 import triton
@@ -18,7 +19,7 @@ def _block_rows(
 ):  # fmt: skip
     batch = (row // G).to(tl.int64)
     group = (row % G).to(tl.int64)
-    tile = (tl.program_id(0) * TILES + tl.arange(0, TILES))[:, None, None]
+    tile = (tl.program_id(1) * TILES + tl.arange(0, TILES))[:, None, None]
     n = tl.arange(0, NP)[None, :, None]
     step = tl.arange(0, T)[None, None, :]
     t = tile * T + step
@@ -35,7 +36,7 @@ def _bc_blocks_kernel(
     seqlen, dstate, tiles, G, B_groups, s_Bb, s_Bg, s_Bn, s_Bt, C_groups, s_Cb, s_Cg, s_Cn, s_Ct,
     NP: tl.constexpr, T: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(1)
+    row = tl.program_id(0)
     if tl.program_id(2) == 0:
         _block_rows(B_ptr, Bb_ptr, row, G, B_groups, s_Bb, s_Bg, s_Bn, s_Bt, seqlen, dstate,
                     tiles, NP, T, TILES)  # fmt: skip

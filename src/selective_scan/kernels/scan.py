@@ -152,7 +152,7 @@ def bc_blocks(B: Tensor, C: Tensor, T: int, NP: int, dtype: torch.dtype, launche
     per_source = (*rows4[-1].shape[1:2], *rows4[-1].stride())
     args = (seqlen, dstate, tiles, G, *rows4[0].shape[1:2], *rows4[0].stride(), *per_source)
     TILES = max(1, BC_BLOCK_ELEMENTS // (NP * T))
-    grid = (cdiv(tiles, TILES), batch * G, len(var))
+    grid = (batch * G, cdiv(tiles, TILES), len(var))
     # One source is read as both; its blocks are written once, the spare output slot gets an
     # empty tensor: a tensor passed twice as a kernel's output is cloned twice when a traced
     # call is functionalized, and the clone kept was the one never written (opcheck of
