@@ -129,8 +129,9 @@ def _tl_dtype(dtype: torch.dtype):
 
 def bc_tiles(seqlen, T: int):
     """Time tiles of pre-blocked B/C: ceil(seqlen / T), at least 2, so that no blocked
-    dimension has size 1 (under torch.export a symbolic size-1 dimension in bc_blocks' views
-    becomes a guard `tiles != 1` that short dynamic seqlens violate)."""
+    dimension has size 1: when torch's ops did the blocking, a symbolic size-1 dimension in
+    their views became a guard `tiles != 1` under torch.export, which short dynamic seqlens
+    violate. The kernel that blocks now has no views; the rule stays (a spare tile is cheap)."""
     return _sym_max(cdiv(seqlen, T), 2)
 
 
