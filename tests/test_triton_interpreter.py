@@ -299,6 +299,22 @@ def test_forward_lanes():
     assert lanes(1, 1536, ShapeEnv().create_unbacked_symint()) == 4
 
 
+def test_grids_take_large_batches():
+    """Sequences share the grid's first axis (2^31 - 1 programs) with the blocks of channels,
+    so a batch beyond 65535, the limit of the other axes, still launches."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = make_inputs(device="cpu", batch=1, dim=16, seqlen=8, dtype=torch.bfloat16)
+    big = {k: v.expand(70000, *v.shape[1:]).contiguous() if v.dim() == 3 else v
+           for k, v in x.items() if v is not None}  # fmt: skip
+    with FakeTensorMode() as mode:
+        big = {k: mode.from_tensor(v) for k, v in big.items()}
+        for tiles in (scan.config, scan.bwd_config):
+            p = scan._Plan(tiles, *[big.get(k) for k in SCAN_INPUTS])
+            grids = [grid for _, grid, _ in p.launches()]
+            assert grids == [(p.n_blocks * 70000, 1, 1)]
+
+
 def test_local_pass_tiles(monkeypatch):
     """The ranges' local pass takes its own tiles (LOCAL_NS) and grid; the full pass keeps the
     plan's. By default the forward's local pass has 1 lane a channel (its full pass 2: the

@@ -16,6 +16,16 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def block_and_sequence(dim, BD: tl.constexpr):
+    """(block of BD channels, sequence, number of sequences) of this program. Both lie on the
+    grid's first axis, blocks fastest (the launch order of a (blocks, sequences) grid): the
+    other axes allow 65535 programs, fewer than a batch may have sequences."""
+    n_blocks = (dim + BD - 1) // BD
+    pid = tl.program_id(0)
+    return pid % n_blocks, pid // n_blocks, tl.num_programs(0) // n_blocks
+
+
+@triton.jit
 def combine(a1, x1, a2, x2):
     """Compose two steps h -> a h + x (first (a1, x1), then (a2, x2))."""
     return a1 * a2, a2 * x1 + x2

@@ -368,13 +368,14 @@ class _Plan:
 
     def launches(self):
         """(LOCAL flag, grid, tile flags) of each launch: the ranges' local pass first when
-        there are several ranges (see scan_fwd.py), with its own tiles, then the full pass."""
+        there are several ranges (see scan_fwd.py), with its own tiles, then the full pass.
+        Grids are (blocks of channels x sequences, 1, ranges), see common.block_and_sequence."""
         states, count = self.num_states, self.n_ranges
         if _may_exceed_one(count):
             lt = self.local_tiles
             tiles = dict(NS=lt["NS"], NI=lt["NI"], BD=lt["BD"])
-            yield True, (cdiv(self.dim, lt["BD"]), states, count - 1), tiles
-        yield False, (self.n_blocks, states, count), {}
+            yield True, (cdiv(self.dim, lt["BD"]) * states, 1, count - 1), tiles
+        yield False, (self.n_blocks * states, 1, count), {}
 
 
 # Plans of eager calls by layout (shapes, strides, dtypes, devices): a training loop repeats a

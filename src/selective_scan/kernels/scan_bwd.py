@@ -33,6 +33,7 @@ import triton.language as tl
 from .common import (
     LN2,
     LOG2E,
+    block_and_sequence,
     channel_sums,
     combine,
     pick,
@@ -112,8 +113,7 @@ def _scan_bwd_body(
     WIDE: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
     WHOLE: tl.constexpr = WIDE and ALIGNED  # load whole tiles (see tile_masks)
-    seq = tl.program_id(1)
-    blk = tl.program_id(0)
+    blk, seq, num_seqs = block_and_sequence(dim, BD)
     rng = tl.program_id(2)
     if LOCAL:  # the local launch covers ranges 1, 2, ...: range 0's gradient is not needed
         rng += 1
@@ -184,7 +184,7 @@ def _scan_bwd_body(
 
     dh_carry = tl.zeros([BD, NS, NI], ACC)  # a_{t+1} dh_{t+1} entering the current tile's end
     range_row = seq64 * dim + ch64  # [BD, 1, 1] into (ranges, sequences, dim), see scan_fwd.py
-    range_step = tl.num_programs(1).to(tl.int64) * dim
+    range_step = num_seqs.to(tl.int64) * dim
     if not LOCAL:
         if HAS_DLAST:
             dh_carry = tl.load(dlast_ptr + seq64 * s_lb + ch64 * s_ld + n * s_ln, mask=st_ok,

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from .common import (
     LOG2E,
+    block_and_sequence,
     combine,
     pick,
     put,
@@ -57,7 +58,7 @@ def _scan_fwd_body(
     WIDE: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
     WHOLE: tl.constexpr = WIDE and ALIGNED  # load whole tiles (see tile_masks)
-    seq = tl.program_id(1)
+    blk, seq, num_seqs = block_and_sequence(dim, BD)
     rng = tl.program_id(2)
     if VARLEN:  # one range per sequence
         start = tl.load(cu_ptr + seq).to(tl.int32)
@@ -71,8 +72,8 @@ def _scan_fwd_body(
             end = tl.multiple_of(end, T)
         batch = seq.to(tl.int64)
 
-    blk_first = (tl.program_id(0) * BD).to(tl.int64)  # first channel of the block
-    ch = tl.program_id(0) * BD + tl.arange(0, BD)
+    blk_first = (blk * BD).to(tl.int64)  # first channel of the block
+    ch = blk * BD + tl.arange(0, BD)
     ch64 = ch.to(tl.int64)[:, None, None]  # [BD, 1, 1]
     row_ok = (ch < dim)[:, None, None]
     lane = tl.arange(0, NS)[None, :, None]  # [1, NS, 1]
@@ -91,7 +92,7 @@ def _scan_fwd_body(
     # Per-range results are (ranges, sequences, dim[, NP]): no stride depends on the range
     # count (a symbolic one made Inductor copy these buffers, see kernels/scan.py).
     range_row = seq.to(tl.int64) * dim + ch64  # [BD, 1, 1]: this block's rows of range 0
-    range_step = tl.num_programs(1).to(tl.int64) * dim
+    range_step = num_seqs.to(tl.int64) * dim
     if not LOCAL:
         for r in range(0, rng):
             dtsum = tl.load(dtsum_ptr + range_row + r * range_step, mask=row_ok, other=0.0)
