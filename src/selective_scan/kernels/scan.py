@@ -150,8 +150,8 @@ def bc_blocks(B: Tensor, C: Tensor, T: int, NP: int, dtype: torch.dtype, launche
     tiles = bc_tiles(seqlen, T)
     blocks = [t.new_empty((batch, t.shape[1], tiles, NP, T), dtype=dtype) for t in rows4]
     G = _sym_max(rows4[0].shape[1], rows4[-1].shape[1])
-    per_source = (*rows4[-1].shape[1:2], *rows4[-1].stride())
-    args = (seqlen, dstate, tiles, G, *rows4[0].shape[1:2], *rows4[0].stride(), *per_source)
+    per_source = [a for t in (rows4[0], rows4[-1]) for a in (t.shape[1], *t.stride())]
+    args = (seqlen, dstate, tiles, G, *per_source)  # groups and strides of B's, then C's
     TILES = max(1, BC_BLOCK_ELEMENTS // (NP * T))
     grid = (batch * G, cdiv(tiles, TILES), len(var))
     # One source is read as both; its blocks are written once, the spare output slot gets an
