@@ -21,6 +21,7 @@ import math
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -137,6 +138,18 @@ def bench_shape(shape: str, seqlen=None) -> dict:
     return result
 
 
+def warm_shape(shape: str) -> None:
+    """Compile (Triton, Inductor) what bench_shape runs, untimed: one process a shape warms
+    the caches in parallel before the timed run (scripts/gpu_run.sh)."""
+    x = make_bench_inputs(shape)
+    out, _, ckpt = fwd_op(x)
+    bwd_op(x, torch.randn_like(out), ckpt)
+    _public_fwd(x)
+    fwd_compiled(x)
+    peak_memory(x)
+    torch.cuda.synchronize()
+
+
 def peak_memory(x: dict) -> int:
     """Peak bytes allocated during forward + backward through the public function, above the
     inputs already resident."""
@@ -246,15 +259,25 @@ def broadcast_dout(shape: str = "S1") -> dict:
 
 
 def cold_compile(shape: str = "S1") -> dict:
-    """Seconds of the first call in this process for fwd and bwd (Triton JIT compile)."""
+    """Seconds of the first call in this process for fwd and bwd (Triton JIT compile), with an
+    empty Triton cache (a warmed or carried one would hold these kernels)."""
     x = make_bench_inputs(shape, dtype="fp16")  # a dtype not compiled yet in this run
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out, _, ckpt = fwd_op(x)
-    torch.cuda.synchronize()
-    t1 = time.perf_counter()
-    bwd_op(x, torch.randn_like(out), ckpt)
-    torch.cuda.synchronize()
+    previous = os.environ.get("TRITON_CACHE_DIR")
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache  # Triton reads it at every compile
+        try:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out, _, ckpt = fwd_op(x)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            bwd_op(x, torch.randn_like(out), ckpt)
+            torch.cuda.synchronize()
+        finally:
+            if previous is None:
+                del os.environ["TRITON_CACHE_DIR"]
+            else:
+                os.environ["TRITON_CACHE_DIR"] = previous
     return {"fwd_first_call_s": t1 - t0, "bwd_first_call_s": time.perf_counter() - t1}
 
 
@@ -287,7 +310,17 @@ def main() -> None:
     parser.add_argument(
         "--extras", default=",".join(EXTRAS), help="comma-separated extras to run ('' for none)"
     )
+    parser.add_argument(
+        "--warm", action="store_true",
+        help="compile what the shapes and extras run, time and save nothing",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.warm:
+        for shape in filter(None, args.shapes.split(",")):
+            warm_shape(shape)
+        for name in filter(None, args.extras.split(",")):
+            EXTRAS[name]()
+        return
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {

@@ -41,33 +41,54 @@ tail -1 "$LOG"
 # CUDA tensors with both backends. (test_export and test_demo load AOTInductor packages, which
 # crashes on the lent machine's image: bench/NOTES.md; scripts/aoti_probe.py records why.)
 STEP_TESTS="tests/test_state_update.py::test_opcheck tests/test_state_update.py::test_compile_fullgraph_matches_eager tests/test_state_update.py::test_triton_kernel_matches_oracle tests/test_state_update.py::test_triton_eager_plans_by_layout"
-TESTS="${TESTS:-$STEP_TESTS tests/test_gpu_models.py tests/test_gpu.py tests/test_triton_interpreter.py tests/test_scan.py tests/test_state_varlen.py tests/test_ops.py tests/test_compile.py}"
+TESTS="${TESTS:-tests/test_gpu.py $STEP_TESTS tests/test_gpu_models.py tests/test_triton_interpreter.py tests/test_scan.py tests/test_state_varlen.py tests/test_ops.py tests/test_compile.py}"
 # Compiling the kernels dominates the tests on a fresh machine (40 tests did not finish in
 # 540 s serially, 2026-11-30): tests run in TEST_WORKERS processes where pytest-xdist is
-# installed (it is on the lent image), and a Triton cache packed by an earlier call
-# (SAVE_TRITON_CACHE=1 writes $OUT/triton_cache.tgz; pass it back with carry, at TRITON_CACHE_IN)
-# is unpacked first. -v logs each result as it comes: a stage cut by its timeout still names
-# its failures.
+# installed (it is on the lent image). -v logs each result as it comes: a stage cut by its
+# timeout still names its failures.
+# The benchmark's kernels (stages warm, bench, tune) have a Triton cache of their own: packed by
+# SAVE_TRITON_CACHE=1 into $OUT/triton_cache.tgz, passed back with carry at TRITON_CACHE_IN and
+# unpacked first. With the tests' kernels in it, it would be too large to come back.
+BENCH_CACHE=~/.triton/bench
+mkdir -p "$BENCH_CACHE"
 CACHE_IN="${TRITON_CACHE_IN:-probe/tc.tgz}"
 if [ -f "$CACHE_IN" ]; then
-    mkdir -p ~/.triton && tar xzf "$CACHE_IN" -C ~/.triton && echo "triton cache from $CACHE_IN" >> "$LOG"
+    tar xzf "$CACHE_IN" -C "$BENCH_CACHE" && echo "triton cache from $CACHE_IN" >> "$LOG"
 fi
+# Binary-only cache entries (cubin and metadata, no IR): a packed cache small enough to come back.
+export TRITON_STORE_BINARY_ONLY=1
+# WARM (comma-separated shapes) and WARM_EXTRAS: compile the benchmark's kernels in parallel
+# processes, one a shape, while the tests run; the bench stage waits for them. Untimed.
+WARM_PIDS=()
+warm() {  # warm LOG_NAME SHAPES EXTRAS
+    TRITON_CACHE_DIR="$BENCH_CACHE" timeout -k 10 "${WARM_TIMEOUT:-300}" \
+        python3 bench/gpu_bench.py --warm --shapes "$2" --extras "$3" > "/tmp/warm_$1.log" 2>&1 &
+    WARM_PIDS+=($!)
+}
+WARM="${WARM:-}"
+for shape in ${WARM//,/ }; do warm "$shape" "$shape" ""; done
+if [ -n "${WARM_EXTRAS:-}" ]; then warm extras "" "$WARM_EXTRAS"; fi
 WORKERS=()
 if python3 -c "import xdist" 2>/dev/null; then WORKERS=(-n "${TEST_WORKERS:-6}"); fi
 # TESTS and the *_ARGS variables are word lists: left unquoted on purpose.
 stage tests "${TEST_TIMEOUT:-150}" 25 python3 -m pytest -v --maxfail=20 -p no:cacheprovider \
     --tb=short -rf "${WORKERS[@]}" $TESTS "$@"
-stage bench "${BENCH_TIMEOUT:-180}" 12 python3 bench/gpu_bench.py --out "$OUT" ${BENCH_ARGS:-}
+if [ ${#WARM_PIDS[@]} -gt 0 ]; then
+    start=$SECONDS
+    wait "${WARM_PIDS[@]}"
+    { echo "== warm: done $((SECONDS - start)) s after the tests"; tail -n 3 /tmp/warm_*.log; } | tee -a "$LOG"
+fi
+stage bench "${BENCH_TIMEOUT:-180}" 12 env TRITON_CACHE_DIR="$BENCH_CACHE" python3 bench/gpu_bench.py --out "$OUT" ${BENCH_ARGS:-}
 stage decode "${DECODE_TIMEOUT:-100}" 25 python3 bench/decode_bench.py --out "$OUT" ${DECODE_ARGS:-}
 stage varlen "${VARLEN_TIMEOUT:-90}" 10 python3 bench/varlen_bench.py --out "$OUT" ${VARLEN_ARGS:-}
 # Tile sweeps (bench/tune_gpu.py; off by default): e.g. TUNE_TIMEOUT=60 TUNE_ARGS='--shapes S1
 # --configs ;STAGES=2 --which fwd'.
-stage tune "${TUNE_TIMEOUT:-0}" 60 python3 bench/tune_gpu.py ${TUNE_ARGS:-}
+stage tune "${TUNE_TIMEOUT:-0}" 60 env TRITON_CACHE_DIR="$BENCH_CACHE" python3 bench/tune_gpu.py ${TUNE_ARGS:-}
 PROBE_DIR="$(mktemp -d)"
 stage probe "${PROBE_TIMEOUT:-40}" 3 python3 scripts/aoti_probe.py --out "$PROBE_DIR" --backtrace
 cp "$PROBE_DIR/aoti_probe.json" "$OUT/" 2>/dev/null
 # --no-aoti: loading AOTInductor packages crashes on the lent machine's image (see above).
 stage copying "${COPYING_TIMEOUT:-0}" 30 python3 -m selective_scan.copying --device cuda --no-aoti \
     --out "$(mktemp -d)"
-if [ "${SAVE_TRITON_CACHE:-0}" = 1 ]; then tar czf "$OUT/triton_cache.tgz" -C ~/.triton cache; fi
+if [ "${SAVE_TRITON_CACHE:-0}" = 1 ]; then tar czf "$OUT/triton_cache.tgz" -C "$BENCH_CACHE" .; fi
 ls "$OUT"
