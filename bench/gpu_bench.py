@@ -104,9 +104,20 @@ def kernel_ms(fn, calls: int = 5) -> float:
     return sum(us for _, us in per_kernel_us(fn, calls)) / 1e3
 
 
+def _timed(spent: dict, name: str, fn):
+    """fn(), its wall seconds kept in spent[name] and printed as they come: a run cut by its
+    time limit still says where its time went."""
+    t0 = time.perf_counter()
+    value = fn()
+    spent[name] = round(time.perf_counter() - t0, 1)
+    print(f"  {name}: {spent[name]} s", file=sys.stderr, flush=True)
+    return value
+
+
 def bench_shape(shape: str, seqlen=None) -> dict:
     dtype = SHAPES[shape][-1]
-    sets = input_sets(shape, seqlen=seqlen)
+    spent = {}
+    sets = _timed(spent, "inputs", lambda: input_sets(shape, seqlen=seqlen))
     saved = []
     for x in sets:
         out, _, ckpt = fwd_op(x)
@@ -115,26 +126,29 @@ def bench_shape(shape: str, seqlen=None) -> dict:
     def bwd(i):
         return bwd_op(sets[i], *saved[i])
 
-    fwd_ms = time_rotating(lambda i: fwd_op(sets[i]), len(sets))
-    bwd_ms = time_rotating(bwd, len(sets))
+    fwd_ms = _timed(spent, "fwd", lambda: time_rotating(lambda i: fwd_op(sets[i]), len(sets)))
+    bwd_ms = _timed(spent, "bwd", lambda: time_rotating(bwd, len(sets)))
     result = {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms}
     if seqlen is None:
         result.update(
-            fwd_kernel_ms=guarded(lambda: kernel_ms(lambda: fwd_op(sets[0]))),
-            bwd_kernel_ms=guarded(lambda: kernel_ms(lambda: bwd(0))),
-            fwd_public_ms=time_rotating(lambda i: _public_fwd(sets[i]), len(sets)),
-            fwd_compiled_ms=guarded(
-                lambda: time_rotating(lambda i: fwd_compiled(sets[i]), len(sets))
-            ),
-        )
+            fwd_kernel_ms=_timed(spent, "fwd_kernels", lambda: guarded(
+                lambda: kernel_ms(lambda: fwd_op(sets[0])))),
+            bwd_kernel_ms=_timed(spent, "bwd_kernels", lambda: guarded(
+                lambda: kernel_ms(lambda: bwd(0)))),
+            fwd_public_ms=_timed(spent, "public", lambda: time_rotating(
+                lambda i: _public_fwd(sets[i]), len(sets))),
+            fwd_compiled_ms=_timed(spent, "compiled", lambda: guarded(
+                lambda: time_rotating(lambda i: fwd_compiled(sets[i]), len(sets)))),
+        )  # fmt: skip
         floor_f, floor_b = floors_ms(shape, dtype)
         anchor_f, anchor_b = ANCHORS_MS[shape]
         result.update(
             anchor_fwd_ms=anchor_f, anchor_bwd_ms=anchor_b, floor_fwd_ms=floor_f,
             floor_bwd_ms=floor_b, fwd_speedup=anchor_f / fwd_ms, bwd_speedup=anchor_b / bwd_ms,
             fwd_floor_fraction=floor_f / fwd_ms, bwd_floor_fraction=floor_b / bwd_ms,
-            peak_mem_bytes=peak_memory(sets[0]),
+            peak_mem_bytes=_timed(spent, "peak_memory", lambda: peak_memory(sets[0])),
         )  # fmt: skip
+    result["wall_s"] = spent
     return result
 
 
