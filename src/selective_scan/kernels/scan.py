@@ -23,6 +23,7 @@ import torch
 import triton
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.symbolic_shapes import guard_int
 from torch.library import wrap_triton
 
 from .._checks import check_cu_seqlens_values, check_scan_inputs, checkpoint_slots, compute_dtype
@@ -312,7 +313,11 @@ class _Plan:
         check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
         self.cdt = cdt = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
         self.batch, self.dim, self.seqlen = batch, dim, seqlen = u.shape
-        self.dstate = A.shape[1]
+        # The state size is a kernel constant (DSTATE, and the tiles' split of the states): a
+        # symbolic one (torch.compile(dynamic=True)) is specialized here. Left symbolic, its
+        # next power of two became a sympy expression of bit operations that the tiles and
+        # grids carried on: Inductor's first compile of the S1 forward took 190 s on the H200.
+        self.dstate = guard_int(A.shape[1])
         self.num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
         varlen = cu_seqlens is not None
         self.cfg = cfg = cfg_fn(dim, self.dstate, u.dtype, B, C, self.num_states, seqlen, varlen)
