@@ -457,3 +457,23 @@ def test_triton_eager_plan_keeps_the_checks(monkeypatch, name, value, error, mat
     selective_state_update(**step_inputs(), dt_softplus=True)
     with pytest.raises(error, match=match):
         selective_state_update(**_bad(name, value), dt_softplus=True)
+
+
+@pytest.mark.skipif(not TRITON_RUNS, reason="needs triton (a GPU or the interpreter)")
+def test_triton_grid_takes_large_batches():
+    """Batch rows share the grid's first axis (2^31 - 1 programs) with the blocks of channels,
+    so a batch beyond 65535, the limit of the other axes, still launches."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from selective_scan.kernels import state_update as state_update_kernel  # needs triton
+
+    x = step_inputs(batch=1, dim=300, nheads=3)
+    x = {k: v.expand(70000, *v.shape[1:]) if k in BATCHED else v for k, v in x.items()}
+    with FakeTensorMode() as mode:
+        big = {k: mode.from_tensor(v) for k, v in x.items()}
+        grid = state_update_kernel._plan(*[big[k] for k in NAMES], True)[0]
+    blocks = -(-300 // state_update_kernel.block(5)[1])
+    assert grid == (blocks * 70000, 3, 1)
+
+
+BATCHED = ("state", "x", "dt", "B", "C", "z")  # the step inputs with a batch dimension

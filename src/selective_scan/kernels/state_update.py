@@ -1,6 +1,6 @@
 """Triton decode step (``selective_state_update``): kernel and launcher.
 
-One program = one (batch row, head, block of BD channels). It holds the [BD, NP] tile of the
+One program = one (block of BD channels, batch row, head). It holds the [BD, NP] tile of the
 state (NP = dstate padded to a power of two) in registers: loads it once, applies
 state * exp2(A log2(e) dt) + B dt x in float32 (float64 for float64 inputs), stores it back in
 state's dtype, and reduces the same registers against C for the output. A memory-bound kernel:
@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.library import wrap_triton
 
 from .._state_update_checks import check_state_update_inputs, heads_strides
-from .common import LOG2E, sigmoid, softplus
+from .common import LOG2E, block_and_sequence, sigmoid, softplus
 from .launch import Launcher
 from .scan import _fast_math, _tl_dtype, cdiv
 
@@ -38,10 +38,11 @@ def _state_update_kernel(
     ACC: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     # 64-bit row offsets: batch * nheads * dim * dstate may exceed 2^31.
-    b = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2).to(tl.int64)
+    blk, b, _ = block_and_sequence(dim, BD)
+    b = b.to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
     g = h // heads_per_group
-    d = tl.program_id(0) * BD + tl.arange(0, BD)
+    d = blk * BD + tl.arange(0, BD)
     d_ok = d < dim
     d64 = d.to(tl.int64)
     n = tl.arange(0, NP)
@@ -109,7 +110,9 @@ def _plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) -> tuple[tuple, tup
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None,
         SOFTPLUS=dt_softplus, ACC=_tl_dtype(cdt), FAST=_fast_math(x, cdt), num_warps=num_warps,
     )  # fmt: skip
-    return (cdiv(dim, BD), batch, nheads), ints, options
+    # Batch rows share the first axis with the blocks of channels (common.block_and_sequence):
+    # the other axes allow 65535 programs, fewer than a batch may have rows.
+    return (cdiv(dim, BD) * batch, nheads, 1), ints, options
 
 
 def _new_out(x: Tensor) -> Tensor:
