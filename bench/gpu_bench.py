@@ -330,8 +330,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--compiled", default=None,
-        help="shapes whose forward is also timed under torch.compile (default: all); its first "
-        "compile with dynamic shapes took 190 s (S1, 2026-11-30)",
+        help="shapes whose forward is also timed under torch.compile(dynamic=True) (default: "
+        "all; each compiles once more)",
     )  # fmt: skip
     parser.add_argument(
         "--warm", action="store_true",

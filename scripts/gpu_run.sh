@@ -4,7 +4,7 @@
 #   run.log                                  every stage's output, one after the other
 #   h200.json decode.json varlen.json        the benchmarks' results
 #   aoti_probe.json                          the probe's report (its packages stay outside $OUT)
-#   triton_cache.tgz                         with SAVE_TRITON_CACHE=1: the compiled kernels
+#   triton_cache.tgz                         with SAVE_TRITON_CACHE=1: the benchmark's kernels
 #
 #   scripts/gpu_run.sh [pytest args...]      (run from the repository root)
 #
