@@ -459,6 +459,9 @@ def test_triton_eager_plan_keeps_the_checks(monkeypatch, name, value, error, mat
         selective_state_update(**_bad(name, value), dt_softplus=True)
 
 
+BATCHED = ("state", "x", "dt", "B", "C", "z")  # the step inputs with a batch dimension
+
+
 @pytest.mark.skipif(not TRITON_RUNS, reason="needs triton (a GPU or the interpreter)")
 def test_triton_grid_takes_large_batches():
     """Batch rows share the grid's first axis (2^31 - 1 programs) with the blocks of channels,
@@ -474,6 +477,3 @@ def test_triton_grid_takes_large_batches():
         grid = state_update_kernel._plan(*[big[k] for k in NAMES], True)[0]
     blocks = -(-300 // state_update_kernel.block(5)[1])
     assert grid == (blocks * 70000, 3, 1)
-
-
-BATCHED = ("state", "x", "dt", "B", "C", "z")  # the step inputs with a batch dimension
