@@ -199,7 +199,7 @@ def _tiles(dim, dstate, B: Tensor, C: Tensor, T: int, NS: int) -> dict:
     partial sums belong to one group."""
     n_pad = triton.next_power_of_2(dstate)
     NS = min(NS, n_pad)
-    cfg = dict(T=T, NS=NS, NI=n_pad // NS, CH=1, num_warps=1, STAGES=3, LOCAL_NS=NS)
+    cfg = dict(T=T, NS=NS, NI=n_pad // NS, CH=1, num_warps=1, STAGES=3)
     return _derive_block(cfg, dim, B, C)
 
 
@@ -224,12 +224,11 @@ def config(
         T //= 2
     narrow = _tiles(dim, dstate, B, C, T, NS=2)
     wide = _tiles(dim, dstate, B, C, T, NS=4)
-    if all(isinstance(v, int) for v in (num_states, dim)) and (
+    use_narrow = all(isinstance(v, int) for v in (num_states, dim)) and (
         num_states * cdiv(dim, narrow["BD"]) >= TARGET_WARPS
         or (isinstance(seqlen, int) and ranges(wide, num_states, dim, seqlen, varlen)[0] > 1)
-    ):
-        return narrow | {"LOCAL_NS": 1}
-    return wide | {"LOCAL_NS": 1}
+    )
+    return (narrow if use_narrow else wide) | {"LOCAL_NS": 1}
 
 
 def bwd_config(
