@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import triton
@@ -280,22 +281,18 @@ def cold_compile(shape: str = "S1") -> dict:
     """Seconds of the first call in this process for fwd and bwd (Triton JIT compile), with an
     empty Triton cache (a warmed or carried one would hold these kernels)."""
     x = make_bench_inputs(shape, dtype="fp16")  # a dtype not compiled yet in this run
-    previous = os.environ.get("TRITON_CACHE_DIR")
-    with tempfile.TemporaryDirectory() as cache:
-        os.environ["TRITON_CACHE_DIR"] = cache  # Triton reads it at every compile
-        try:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out, _, ckpt = fwd_op(x)
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            bwd_op(x, torch.randn_like(out), ckpt)
-            torch.cuda.synchronize()
-        finally:
-            if previous is None:
-                del os.environ["TRITON_CACHE_DIR"]
-            else:
-                os.environ["TRITON_CACHE_DIR"] = previous
+    # Triton reads TRITON_CACHE_DIR at every compile.
+    with (
+        tempfile.TemporaryDirectory() as cache,
+        mock.patch.dict(os.environ, TRITON_CACHE_DIR=cache),
+    ):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out, _, ckpt = fwd_op(x)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        bwd_op(x, torch.randn_like(out), ckpt)
+        torch.cuda.synchronize()
     return {"fwd_first_call_s": t1 - t0, "bwd_first_call_s": time.perf_counter() - t1}
 
 
