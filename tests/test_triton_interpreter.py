@@ -248,6 +248,36 @@ def test_traced_calls_pad_known_lengths_only():
     assert not [g.expr for g in u.fake_mode.shape_env.guards if g.expr.free_symbols & seqlen]
 
 
+def test_traced_launchers_guard_alike_for_any_length():
+    """Both launchers traced with symbolic sizes (as torch.compile(dynamic=True) traces them):
+    every guard that involves the length holds for short and long ones alike, so that a new
+    length compiles nothing again. Range buffers shaped (ranges, ...) were tested for a count
+    of 1 (contiguity): true at 256 steps, false at 999 (cut into ranges)."""
+
+    def both_directions(u, delta, A, B, C, D, z, delta_bias):
+        out, last, ckpt = scan.scan_fwd(u, delta, A, B, C, D, z, delta_bias, None, None, True)
+        grads = scan.scan_bwd(out, last, u, delta, A, B, C, D, z, delta_bias, None, None, ckpt,
+                              True)  # fmt: skip
+        return out, *grads
+
+    x = make_inputs(device="cpu", batch=2, dim=64, dstate=16, seqlen=256)
+    traced = []
+    launches = offline.record_launches(
+        lambda: traced.append(make_fx(both_directions, tracing_mode="symbolic")(
+            *[x[k] for k in SCAN_INPUTS[:8]]))
+    )  # fmt: skip
+    assert len(launches) >= 3  # blocking, forward, backward: recorded, not run
+    u = next(iter(traced[0].graph.nodes)).meta["val"]
+    env = u.fake_mode.shape_env
+    (seqlen,) = u.shape[-1].node.expr.free_symbols
+    hints = {sym: val for sym, val in env.var_to_val.items() if sym != seqlen}
+    on_length = [g.expr for g in env.guards if seqlen in g.expr.free_symbols]
+    assert on_length  # e.g. buffers of at least 2 elements
+    for length in (2, 7, 129, 256, 999, 4096, 100_003):
+        for expr in on_length:
+            assert bool(expr.xreplace({**hints, seqlen: length})), (length, expr)
+
+
 def test_symbolic_plan_has_plain_constants():
     """Under symbolic sizes (torch.compile(dynamic=True)) the kernels' compile-time flags are
     Python values: dstate is specialized, not carried on. Its next power of two, symbolic, was

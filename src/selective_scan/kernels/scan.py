@@ -436,12 +436,15 @@ def _launch_kernel(launchers, kernel, grid, tensors, args, options, key) -> None
 
 def _range_buffers(u: Tensor, p: _Plan) -> tuple[Tensor, Tensor]:
     """The local launch's per-range results, states (ranges, sequences, dim, NP) and sum(delta)
-    (ranges, sequences, dim). The range count leads: with it inside, a symbolic count entered
-    the strides, as Max(1, count) in one place and count in another, and Inductor (2.11) then
-    copied the buffer into itself around the kernel (a KeyError in its scheduler, AOTInductor
-    with dynamic shapes)."""
-    h_local = u.new_empty((p.n_ranges, p.num_states, p.dim, p.NP), dtype=p.cdt)
-    return h_local, u.new_empty((p.n_ranges, p.num_states, p.dim), dtype=p.cdt)
+    (ranges, sequences, dim), as flat tensors (the kernels index them). With the range count
+    as a dimension, traced calls guarded on it: a symbolic count inside the strides (as
+    Max(1, count) in one place and count in another) made Inductor (2.11) copy the buffer
+    into itself around the kernel (a KeyError in its scheduler, AOTInductor with dynamic
+    shapes); leading, it was tested for being 1 (contiguity), so that torch.compile(dynamic=
+    True) compiled again when a longer sequence was cut into ranges."""
+    per_range = p.num_states * p.dim
+    h_local = u.new_empty((p.n_ranges * per_range * p.NP,), dtype=p.cdt)
+    return h_local, u.new_empty((p.n_ranges * per_range,), dtype=p.cdt)
 
 
 def scan_fwd(
