@@ -51,6 +51,8 @@ GRID = [
     dict(seqlen=2049, b_form="grouped", c_form="constant", groups=2, D=False),
     dict(seqlen=300, z=False, delta_bias=False, initial_state=True),
     dict(batch=1, seqlen=3000, cu_seqlens=[0, 1, 1, 700, 2049, 3000], initial_state=True),
+    # dB/dC summed from bfloat16 partials of many blocks (96 a group; S1 has 192)
+    dict(dim=1536, seqlen=512, dtype=torch.bfloat16, b_form="grouped", groups=2),
 ]
 
 

@@ -413,12 +413,18 @@ def test_one_wave_cap(programs, T, NP, eager, capped, monkeypatch):
     assert scan.one_wave_cap(p, u) == ({"maxnreg": 168} if capped else {})
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("blocks", [640, 641, 12])
-def test_block_sums(blocks):
+def test_block_sums(blocks, dtype):
     """dB/dC's per-block partial sums are summed in runs first where the blocks are many and
-    the sums few (S6: 640 blocks, two stages; 641 is prime: one stage): the same sums."""
-    part = torch.randn(1, 2, blocks, 4, 8, dtype=torch.float64)
-    torch.testing.assert_close(scan._sum_blocks(part), part.sum(2), rtol=1e-12, atol=1e-12)
+    the sums few (S6: 640 blocks, two stages; 641 is prime: one stage): the same sums. Sums of
+    bfloat16 partials are accumulated in float32 and rounded at most once (to bfloat16)."""
+    part = torch.randn(1, 2, blocks, 4, 8, dtype=torch.float64).to(dtype)
+    summed = scan._sum_blocks(part, 2)
+    assert summed.dtype in (dtype, torch.float32)
+    tol = 1e-12 if dtype == torch.float64 else 2**-8
+    exact = part.double().sum(2)
+    torch.testing.assert_close(summed.double(), exact, rtol=tol, atol=tol * exact.abs().max())
 
 
 def test_broadcast_steps_are_copied(monkeypatch):

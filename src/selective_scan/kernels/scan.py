@@ -6,9 +6,10 @@ Python), so Inductor can trace them and compile the kernels into its generated c
 Memory: the forward saves nothing beyond its outputs; checkpoints hold the state every CKPT
 steps, batch * dim * (ceil(seqlen / CKPT) + 1) * dstate float32 (for CKPT = 128, dstate = 16
 that is 0.5 bytes per (batch, dim, step), a quarter of a bf16 input). The backward's scratch adds
-fp32 partial sums of dB/dC per block of channels: batch * ceil(dim / BD) * dstate * seqlen * 4
-bytes each for variable B/C, and per program the entry states of the tiles of one chunk (for
-16-bit inputs also their delta and softplus', KEEP_STEPS in bwd_config).
+partial sums of dB/dC per block of channels: batch * ceil(dim / BD) * dstate * seqlen * 4 bytes
+each for variable B/C (2 for bfloat16 B/C, see `bc_part_dtype`), and per program the entry
+states of the tiles of one chunk (for 16-bit inputs also their delta and softplus', KEEP_STEPS
+in bwd_config).
 Lengths that are not a multiple of T (see `config` and `bwd_config`) add a padded copy of each
 per-step input and output while a call runs (see `padded`).
 """
@@ -241,9 +242,10 @@ def bwd_config(
     rows costs. KEEP_STEPS (16-bit inputs): the tile walk loads delta and softplus' from the
     scratch (kernels/scan_bwd.py): 5% faster on S1, S2, S3, S5, S7, but S4 (float32) 1.46 ->
     1.68 ms (session 7, not explained). The ranges' local pass takes 2 lanes a channel
-    (LOCAL_NS): S3 1.462 -> 1.371 ms, against 1.404 with 1 lane (session 8)."""
+    (LOCAL_NS): S3 1.462 -> 1.371 ms, against 1.404 with 1 lane (session 8). BF16_PARTS: see
+    `bc_part_dtype`."""
     cfg = _tiles(dim, dstate, B, C, T=8 if dtype.itemsize <= 4 else 4, NS=4)
-    return cfg | {"KEEP_STEPS": int(dtype.itemsize == 2), "LOCAL_NS": 2}
+    return cfg | {"KEEP_STEPS": int(dtype.itemsize == 2), "LOCAL_NS": 2, "BF16_PARTS": 1}
 
 
 def _derive_block(cfg: dict, dim, B: Tensor, C: Tensor) -> dict:
@@ -511,37 +513,75 @@ def backward_align(p: _Plan, dout: Tensor) -> int:
 
 
 def _fresh(t: Tensor, like: Tensor) -> Tensor:
-    """t as a new contiguous tensor with like's shape and dtype (no aliasing, stable strides)."""
+    """t as a contiguous tensor of its own with like's shape and dtype (no aliasing, stable
+    strides): in eager calls t itself when it is one already (a reduction's result), else a
+    copy. Traced calls always copy (Inductor fuses it): returning the sums of dA, dD and
+    ddelta_bias directly put a guard on the length into the compiled backward (on the H200,
+    torch.compile(dynamic=True) compiled again for 999 steps after 256, session 11)."""
+    own = not is_fake(t) and t._base is None and t.is_contiguous()
+    if own and t.shape == like.shape and t.dtype == like.dtype:
+        return t
     out = like.new_empty(like.shape)
     out.view(t.shape).copy_(t)
     return out
 
 
+def _first_states(t: Tensor, dstate) -> Tensor:
+    """t (..., NP) without its padded states: t itself when there are none (no view, so that
+    _fresh can return it)."""
+    return t if t.shape[-1] == dstate else t[..., :dstate]
+
+
+def bc_part_dtype(p: _Plan, t: Tensor) -> torch.dtype:
+    """The dtype of the backward's per-block partial sums of variable dB or dC: bfloat16 for
+    bfloat16 B or C (BF16_PARTS), else the compute dtype. The block sums read them back from
+    DRAM: at S1 201 MB each in float32, 106 us of a 1.25 ms backward; in bfloat16 64 us, and the
+    kernel writes half the bytes (S1 1.163 -> 1.121 ms, S5 1.521 -> 1.439, S7 3.69 -> 3.46;
+    session 11, bench/NOTES.md). Each partial (a float32 sum over BD channels) is rounded once,
+    the partials are summed in float32 and the sum rounded to bfloat16: dB's and dC's error
+    against float64 gradients grows by sqrt(2), as from a second rounding (S1, S3, S5: relative
+    error 2.35e-3 against 1.66e-3 with float32 partials, the error of rounding to bfloat16)."""
+    bf16 = t.dtype == torch.bfloat16 and p.cfg.get("BF16_PARTS", 0) == 1
+    return torch.bfloat16 if bf16 else p.cdt
+
+
 def _reduce_bc_grad(part: Tensor, t: Tensor, dim, dstate) -> Tensor:
-    """dB or dC from per-block partial sums: variable (batch, blocks, NP, rows) summed over
+    """dB or dC from per-block partial sums: variable (batch, blocks, tiles, NP, T) summed over
     the blocks of each group; constant (num_states, dim, NP) summed over sequences."""
     if t.dim() == 2:
-        return _fresh(part.sum(0)[:, :dstate], t)
-    batch, n_blocks, NP, rows = part.shape
+        return _fresh(_first_states(part.sum(0), dstate), t)
+    batch, n_blocks, tiles, NP, T = part.shape
     groups = 1 if t.dim() == 3 else t.shape[1]
-    summed = _sum_blocks(part.view(batch, groups, n_blocks // groups, NP, rows))
-    return _fresh(summed[:, :, :dstate, : t.shape[-1]], t)
+    summed = _sum_blocks(part.view(batch, groups, n_blocks // groups, tiles, NP, T), 2)
+    steps = summed.transpose(2, 3)  # (batch, groups, NP, tiles, T)
+    seqlen = t.shape[-1]
+    if isinstance(seqlen, int) and isinstance(tiles, int) and seqlen == tiles * T:
+        out = t.new_empty(t.shape)
+        out.view(batch, groups, dstate, tiles, T).copy_(steps[:, :, :dstate])
+        return out
+    # The last tile is cut, or sizes are symbolic. Steps kept by index_select, not a slice: a
+    # view of seqlen of the tiles * T steps is contiguous exactly when the two are equal, which
+    # traced calls then guarded on (torch.compile(dynamic=True) compiled again for each length).
+    rows = steps.reshape(batch, groups, NP, tiles * T)[:, :, :dstate]
+    return _fresh(rows.index_select(3, torch.arange(seqlen, device=rows.device)), t)
 
 
-def _sum_blocks(part: Tensor) -> Tensor:
-    """part (batch, groups, blocks, NP, rows) summed over its blocks, in a fixed order. Many
-    blocks and few sums starve torch's reduction: S6's 4096 sums of 640 blocks (10 MB) took
-    22 us each for dB and dC, of 152 us of backward kernels (session 7). There the blocks are
-    summed in runs of d first (d the largest divisor up to the square root), so that both
+def _sum_blocks(part: Tensor, axis: int) -> Tensor:
+    """part summed over its blocks (on `axis`), in a fixed order, in float32 at least (bfloat16
+    partials: one reduction reads them and rounds each sum once).
+    Many blocks and few sums starve torch's reduction: S6's 4096 sums of 640 blocks (10 MB)
+    took 22 us each for dB and dC, of 152 us of backward kernels (session 7). There the blocks
+    are summed in runs of d first (d the largest divisor up to the square root), so that both
     reductions have many outputs or short sums. Known sizes only: no guard on symbolic ones."""
-    blocks = part.shape[2]
+    blocks = part.shape[axis]
     sums = part.numel() // max(blocks, 1) if isinstance(blocks, int) else None
     if not isinstance(sums, int) or sums >= 2**17 or blocks < 16:
-        return part.sum(2)
+        return part.sum(axis)
     d = max(k for k in range(1, math.isqrt(blocks) + 1) if blocks % k == 0)
     if d < 4:
-        return part.sum(2)
-    return part.unflatten(2, (blocks // d, d)).sum(3).sum(2)
+        return part.sum(axis)
+    wide = torch.promote_types(part.dtype, torch.float32)
+    return part.unflatten(axis, (blocks // d, d)).sum(axis + 1, dtype=wide).sum(axis)
 
 
 def scan_bwd(
@@ -579,7 +619,8 @@ def scan_bwd(
     def bc_part(t):
         if t.dim() == 2:
             return u.new_empty((programs, dim, NP), dtype=cdt)
-        return u.new_empty((batch, p.n_blocks, NP, p.rows), dtype=cdt)
+        tiles = bc_tiles(p.seqlen, T)
+        return u.new_empty((batch, p.n_blocks, tiles, NP, T), dtype=bc_part_dtype(p, t))
 
     dB_part, dC_part = bc_part(B), bc_part(C)
     dD_part = u.new_empty((programs, dim), dtype=cdt)
@@ -610,7 +651,7 @@ def scan_bwd(
     return (
         unpadded(du, p),
         unpadded(ddelta, p),
-        _fresh(dA_part.sum(0)[:, :dstate], A),
+        _fresh(_first_states(dA_part.sum(0), dstate), A),
         _reduce_bc_grad(dB_part, B, dim, dstate),
         _reduce_bc_grad(dC_part, C, dim, dstate),
         empty() if D is None else _fresh(dD_part.sum(0), D),

@@ -21,10 +21,10 @@ gradient reaching the state before the range and sum(delta); the full launch the
 from the true gradient at its end, combined from those last range first.
 
 dB/dC of variable B/C are summed over a block's BD channels inside the program (a reduce-scatter
-across the channel lanes, `channel_sums`), written per block (fp32; a block never spans two
-groups) and summed over the blocks of a group afterwards, in a fixed order; dA, dD, ddelta_bias and
-constant dB/dC are written per program and summed over sequences likewise. No atomics: the
-backward is deterministic, bitwise, run to run.
+across the channel lanes, `channel_sums`), written per block (float32, or bfloat16 for bfloat16
+B/C; a block never spans two groups) and summed over the blocks of a group afterwards, in a
+fixed order; dA, dD, ddelta_bias and constant dB/dC are written per program and summed over
+sequences likewise. No atomics: the backward is deterministic, bitwise, run to run.
 """
 
 import triton
@@ -199,6 +199,14 @@ def _scan_bwd_body(
     dB_acc = tl.zeros([BD, NS, NI], ACC)  # constant B/C: summed over the sequence
     dC_acc = tl.zeros([BD, NS, NI], ACC)
     t_blk, blk_owner = sum_steps(ch_local, BD, T)  # steps of this lane's dB/dC sums
+    # This block's partial sums of dB/dC, (batch, blocks, tiles, NP, T) as B/C's blocks: a
+    # tile's states and steps contiguous, so that its stores fill whole 32-byte sectors (a row
+    # layout gave 16 bytes of each bfloat16 sector per tile: see bc_part_dtype). Offsets inside
+    # a block's partials are 32-bit (tiles * NP * T < 2^31): fewer registers.
+    part_block = (batch * n_blocks + blk) * tiles * (NP * T)
+    part_lane = (lane * NI * T + t_blk).to(tl.int32)  # [BD, NS, K]
+    dB_block = dB_ptr + part_block
+    dC_block = dC_ptr + part_block
     dD_acc = tl.zeros([BD, 1, T], ACC)
     dbias_acc = tl.zeros([BD, 1, T], ACC)
 
@@ -237,6 +245,10 @@ def _scan_bwd_body(
     for c_rev in range(0, c_last - c_first + 1):
         c = c_last - c_rev
         lo = tl.maximum(c * CKPT, first)
+        # This chunk's partials (64-bit: any length); offsets inside it are 32-bit.
+        chunk_part = c.to(tl.int64) * (CKPT // T) * (NP * T)
+        dB_chunk = dB_block + chunk_part
+        dC_chunk = dC_block + chunk_part
         hi = tl.minimum((c + 1) * CKPT, end)
         # 1. States entering each tile of the chunk, from the checkpoint (or the sequence start).
         if c * CKPT > seq_start:
@@ -290,6 +302,7 @@ def _scan_bwd_body(
                                      WHOLE)  # fmt: skip
             t_part = t0 + t_blk
             part_ok = blk_owner & (t_part >= start) & (t_part < end)
+            part_tile = ((t0 - c * CKPT) // T) * (NP * T) + part_lane
             sum_dhb = tl.zeros([BD, NS, T], ACC)  # sum_n dh B
             sum_adhh = tl.zeros([BD, NS, T], ACC)  # sum_n A2 dh (h - x)
             y = tl.zeros([BD, NS, T], ACC)
@@ -313,17 +326,13 @@ def _scan_bwd_body(
                 dA_acc = put(dA_acc, i_idx, i, pick(dA_acc, i_idx, i) + tl.sum(dhh * dt, axis=2))
                 db = dh * dtu
                 dc = dy * hs
-                # Rows of this block's partial sums of dB/dC, (batch, blocks, NP, rows).
-                part_row = row_offset(batch * n_blocks + blk, NP * rows, lane * NI + i, rows, T,
-                                      ALIGNED)  # fmt: skip
+                part = part_tile + i * T
                 if B_VAR:
-                    tl.store(dB_ptr + part_row + t_part, channel_sums(db, ch_local, BD),
-                             mask=part_ok)  # fmt: skip
+                    tl.store(dB_chunk + part, channel_sums(db, ch_local, BD), mask=part_ok)
                 else:
                     dB_acc = put(dB_acc, i_idx, i, pick(dB_acc, i_idx, i) + tl.sum(db, axis=2))
                 if C_VAR:
-                    tl.store(dC_ptr + part_row + t_part, channel_sums(dc, ch_local, BD),
-                             mask=part_ok)  # fmt: skip
+                    tl.store(dC_chunk + part, channel_sums(dc, ch_local, BD), mask=part_ok)
                 else:
                     dC_acc = put(dC_acc, i_idx, i, pick(dC_acc, i_idx, i) + tl.sum(dc, axis=2))
             sum_dhb = tl.sum(sum_dhb, axis=1)[:, None, :]
