@@ -1,6 +1,6 @@
 """GPU time of every kernel one scan call launches, per shape and direction (torch.profiler).
 
-    python bench/profile_kernels.py --shapes S1,S3 [--calls 5] [--plain]
+    python bench/profile_kernels.py --shapes S1,S3 [--calls 5] [--plain] [--config b.BF16_PARTS=0]
 
 Where `gpu_bench.py` reports the sum, this splits a call into its launches (the ranges' local
 pass, the main kernel, the partial-sum reductions, copies of padded rows), which is what a
@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import FWD_ARGS, SHAPES, make_bench_inputs
+from tune_gpu import parse, use_config
 
 from selective_scan import ops  # noqa: F401  (registers torch.ops.selective_scan)
 
@@ -64,7 +65,9 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=None, help="override the shapes' seqlen")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--plain", action="store_true", help="no profiler: one call each")
+    parser.add_argument("--config", default="", help="tile overrides, as tune_gpu.py's")
     args = parser.parse_args()
+    use_config(parse(args.config))
     for shape in args.shapes.split(","):
         for direction, fn in zip(("fwd", "bwd"), calls_of(shape, args.seqlen), strict=True):
             if args.plain:
@@ -73,7 +76,7 @@ def main() -> None:
                 continue
             rows = per_kernel_us(fn, args.calls)
             total = sum(us for _, us in rows)
-            print(f"{shape} {direction} {SHAPES[shape]}: {total:.1f} us of kernels per call")
+            print(f"{shape} {direction} {SHAPES[shape]} {args.config}: {total:.1f} us of kernels")
             for name, us in rows:
                 print(f"    {us:9.1f} us  {name[:90]}")
 

@@ -7,7 +7,9 @@ NI, CH, num_warps, STAGES, and maxnreg, a register cap passed to Triton's compil
 "b." prefix, the backward's (kernels.scan.bwd_config), plus TW for scan.TARGET_WARPS. Prints one
 line per (shape, direction, configuration): median ms (do_bench) of eager calls, or with
 --graph of a CUDA-graph replay of the call: the kernels' time without the host's, which
-decides small shapes (S6) whose eager calls wait on the host.
+decides small shapes (S6) whose eager calls wait on the host. With --accuracy, each
+configuration's backward is also compared with float64 gradients of the same inputs
+(selective_scan_ref): relative error (norm) of du, dA, dB, dC.
 """
 
 from __future__ import annotations
@@ -22,7 +24,26 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import SCAN_INPUTS, make_bench_inputs
 
+from selective_scan import selective_scan_ref
 from selective_scan.kernels import scan
+
+GRADS = {"du": 0, "dA": 2, "dB": 3, "dC": 4}  # positions in scan_bwd's result
+
+
+def float64_grads(inputs: list, dout: torch.Tensor) -> dict:
+    """Gradients of sum(out * dout) in float64, by the reference (autograd)."""
+    wide = [t.detach().double().requires_grad_(True) if t is not None else None for t in inputs]
+    out = selective_scan_ref(*wide[:8], delta_softplus=True)
+    (out * dout.double()).sum().backward()
+    return {name: wide[SCAN_INPUTS.index(name[1:])].grad for name in GRADS}
+
+
+def errors(grads: tuple, exact: dict) -> str:
+    """Relative errors (norm) of scan_bwd's result against float64 gradients."""
+    return " ".join(
+        f"{name} {((grads[i].double() - exact[name]).norm() / exact[name].norm()).item():.2e}"
+        for name, i in GRADS.items()
+    )
 
 
 def timed(fn, graph: bool) -> float:
@@ -61,15 +82,17 @@ def main() -> None:
     parser.add_argument("--configs", default="")
     parser.add_argument("--which", default="fwd,bwd")
     parser.add_argument("--graph", action="store_true", help="time CUDA-graph replays")
+    parser.add_argument("--accuracy", action="store_true", help="backward against float64")
     args = parser.parse_args()
     for shape in args.shapes.split(","):
         x = make_bench_inputs(shape)
         inputs = [x[k] for k in SCAN_INPUTS]
+        dout = torch.randn_like(x["u"])
+        exact = None
         for config in args.configs.split(";"):
             use_config(parse(config))
             try:
-                out, _, ckpt = scan.scan_fwd(*inputs, True)
-                dout = torch.randn_like(out)
+                ckpt = scan.scan_fwd(*inputs, True)[2]
                 calls = {
                     "fwd": lambda inputs=inputs: scan.scan_fwd(*inputs, True),
                     "bwd": lambda inputs=inputs, dout=dout, ckpt=ckpt: scan.scan_bwd(
@@ -79,6 +102,10 @@ def main() -> None:
                 for which in args.which.split(","):
                     ms = timed(calls[which], args.graph)
                     print(f"{shape} {which} {config or 'default':28s} {ms:8.4f} ms", flush=True)
+                if args.accuracy:
+                    exact = exact or float64_grads(inputs, dout)
+                    grads = calls["bwd"]()
+                    print(f"{shape} accuracy {config or 'default':23s} {errors(grads, exact)}")
             except Exception as e:
                 print(f"{shape} {config}: {type(e).__name__}: {str(e)[:200]}", flush=True)
 
