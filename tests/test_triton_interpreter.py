@@ -54,6 +54,10 @@ CASES = {
     "bf16-padded-states-nosoftplus": dict(seqlen=41, dtype=torch.bfloat16, dstate=5,
                                           softplus=False),
     "one-step": dict(seqlen=1, dstate=16, c_form="constant"),
+    # dB/dC from bfloat16 partials of 2 blocks a group (32 channels, BD = 8), padded states:
+    # the tile-ordered partials summed and transposed into (batch, groups, dstate, seqlen).
+    "bf16-blocks-grouped": dict(seqlen=64, dtype=torch.bfloat16, dim=32, dstate=5,
+                                b_form="grouped", c_form="grouped", groups=2),
     # The backward's tile walk loading delta and softplus' from the scratch (KEEP_STEPS, the
     # default for 16-bit inputs), in float32's tighter bound, across chunks and ranges.
     "ranges-keep-steps": dict(seqlen=300, dstate=8, initial_state=True, keep_steps=True),
@@ -87,7 +91,8 @@ def test_triton_kernels_match_oracle(name, monkeypatch):
     if case.pop("checked", False):
         monkeypatch.setattr(scan, "align_mode", lambda *sizes: scan.ALIGN_CHECKED)
         monkeypatch.setattr(scan, "_PLANS", {})
-    inputs = make_inputs(device=DEVICE, batch=case.pop("batch", 2), dim=8, **case)
+    inputs = make_inputs(device=DEVICE, batch=case.pop("batch", 2), dim=case.pop("dim", 8),
+                         **case)  # fmt: skip
     names = float_inputs(inputs)
     leaves = {k: v.detach().clone().requires_grad_(True) if k in names else v
               for k, v in inputs.items()}  # fmt: skip
