@@ -560,8 +560,9 @@ def _reduce_bc_grad(part: Tensor, t: Tensor, dim, dstate) -> Tensor:
         out.view(batch, groups, dstate, tiles, T).copy_(steps[:, :, :dstate])
         return out
     # The last tile is cut, or sizes are symbolic. Steps kept by index_select, not a slice: a
-    # view of seqlen of the tiles * T steps is contiguous exactly when the two are equal, which
-    # traced calls then guarded on (torch.compile(dynamic=True) compiled again for each length).
+    # view of seqlen of the tiles * T steps is contiguous exactly when the two are equal, and
+    # the fake tensor guarded on that (test_traced_launchers_guard_alike_for_any_size), which
+    # would tie a compile with dynamic shapes to lengths that are multiples of T.
     rows = steps.reshape(batch, groups, NP, tiles * T)[:, :, :dstate]
     return _fresh(rows.index_select(3, torch.arange(seqlen, device=rows.device)), t)
 
