@@ -201,8 +201,9 @@ def _scan_bwd_body(
     t_blk, blk_owner = sum_steps(ch_local, BD, T)  # steps of this lane's dB/dC sums
     # This block's partial sums of dB/dC, (batch, blocks, tiles, NP, T) as B/C's blocks: a
     # tile's states and steps contiguous, so that its stores fill whole 32-byte sectors (a row
-    # layout gave 16 bytes of each bfloat16 sector per tile: see bc_part_dtype). Offsets inside
-    # a block's partials are 32-bit (tiles * NP * T < 2^31): fewer registers.
+    # layout gave 16 bytes of each bfloat16 sector per tile: see bc_part_dtype). The base moves
+    # per chunk in 64 bits; offsets inside a chunk (CKPT * NP values) are 32-bit, which keeps
+    # them in fewer registers (64-bit per-lane offsets spilled under S1's register cap).
     part_block = (batch * n_blocks + blk) * tiles * (NP * T)
     part_lane = (lane * NI * T + t_blk).to(tl.int32)  # [BD, NS, K]
     dB_block = dB_ptr + part_block
