@@ -31,11 +31,13 @@ from .common import (
     LOG2E,
     block_and_sequence,
     combine,
+    load_states,
     pick,
     put,
     row_offset,
     sigmoid,
     softplus,
+    store_states,
     tile_masks,
     time_tile,
 )
@@ -79,15 +81,15 @@ def _scan_fwd_body(
     lane = tl.arange(0, NS)[None, :, None]  # [1, NS, 1]
     i_idx = tl.arange(0, NI)[None, None, :]  # [1, 1, NI]
     t_idx = tl.arange(0, T)[None, None, :]  # [1, 1, T]
-    n = lane * NI + i_idx  # [1, NS, NI]: the state index
-    st_ok = row_ok & (n < DSTATE)
 
-    A2 = tl.load(A_ptr + ch64 * s_Ad + n * s_An, mask=st_ok, other=0.0).to(ACC)
+    first_n = lane * NI  # [1, NS, 1]
+    n_left = DSTATE - first_n
+    A2 = load_states(A_ptr + ch64 * s_Ad + first_n * s_An, s_An, n_left, NI, row_ok, ACC)
     A2 *= tl.full([1, 1, 1], LOG2E, ACC)  # exact in float64 too (a bare literal is fp32)
     h = tl.zeros([BD, NS, NI], ACC)
     if HAS_H0 and not LOCAL:
-        h = tl.load(h0_ptr + seq.to(tl.int64) * s_hb + ch64 * s_hd + n * s_hn, mask=st_ok,
-                    other=0.0).to(ACC)  # fmt: skip
+        h0 = h0_ptr + seq.to(tl.int64) * s_hb + ch64 * s_hd + first_n * s_hn
+        h = load_states(h0, s_hn, n_left, NI, row_ok, ACC)
     # State entering this range: fold in the earlier ranges' local end states, in order.
     # Per-range results are (ranges, sequences, dim[, NP]): no stride depends on the range
     # count (a symbolic one made Inductor copy these buffers, see kernels/scan.py).
@@ -96,9 +98,8 @@ def _scan_fwd_body(
     if not LOCAL:
         for r in range(0, rng):
             dtsum = tl.load(dtsum_ptr + range_row + r * range_step, mask=row_ok, other=0.0)
-            h_r = tl.load(
-                hloc_ptr + (range_row + r * range_step) * (NS * NI) + n, mask=st_ok, other=0.0
-            )
+            h_r = load_states(hloc_ptr + (range_row + r * range_step) * (NS * NI) + first_n, 1,
+                              n_left, NI, row_ok, ACC)  # fmt: skip
             h = tl.math.exp2(A2 * dtsum) * h + h_r
     # B/C: constant (dim, dstate) with strides (s_Bd, s_Bn), or blocks (see bc_blocks) whose
     # offsets are multiples of T by construction, which lets Triton emit aligned vector loads.
@@ -109,12 +110,12 @@ def _scan_fwd_body(
         B_row = B_ptr + ((batch * B_groups + ch_in // B_group) * tiles) * (NS * NI * T)
         B_row += lane * (NI * T)  # [1, NS, 1]: this lane's first state
     else:
-        B_const = tl.load(B_ptr + ch64 * s_Bd + n * s_Bn, mask=st_ok, other=0.0).to(ACC)
+        B_const = load_states(B_ptr + ch64 * s_Bd + first_n * s_Bn, s_Bn, n_left, NI, row_ok, ACC)
     if C_VAR:
         C_row = C_ptr + ((batch * C_groups + ch_in // C_group) * tiles) * (NS * NI * T)
         C_row += lane * (NI * T)
     else:
-        C_const = tl.load(C_ptr + ch64 * s_Cd + n * s_Cn, mask=st_ok, other=0.0).to(ACC)
+        C_const = load_states(C_ptr + ch64 * s_Cd + first_n * s_Cn, s_Cn, n_left, NI, row_ok, ACC)
     if HAS_D:
         Dv = tl.load(D_ptr + ch64 * s_D, mask=row_ok, other=0.0).to(ACC)
     if HAS_BIAS:
@@ -124,7 +125,7 @@ def _scan_fwd_body(
     if HAS_Z:
         z_row = z_ptr + row_offset(batch, s_zb, ch64, s_zd, T, ALIGNED)
     out_row = out_ptr + row_offset(batch, s_ob, ch64, s_od, T, ALIGNED)
-    ckpt_tile = ckpt_ptr + batch * s_kb + ch64 * s_kd + n
+    ckpt_tile = ckpt_ptr + batch * s_kb + ch64 * s_kd + first_n
 
     dt_total = tl.zeros([BD, 1, T], ACC)
     for t0 in tl.range((start // T) * T, end, T, num_stages=STAGES):
@@ -132,7 +133,7 @@ def _scan_fwd_body(
         t64 = t.to(tl.int64)
         m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WHOLE)  # [BD, 1, T]
         if not LOCAL and (t0 % CKPT == 0) & (t0 >= start):
-            tl.store(ckpt_tile + (t0 // CKPT) * s_kc, h, mask=st_ok)
+            store_states(ckpt_tile + (t0 // CKPT) * s_kc, 1, n_left, h, NI, row_ok)
         dt = time_tile(dt_row, t64, s_dt, m, lm, ACC, WHOLE)
         if HAS_BIAS:
             dt += bias
@@ -169,16 +170,18 @@ def _scan_fwd_body(
                 out *= zz * sigmoid(zz, FAST)
             tl.store(out_row + t64, out.to(out_ptr.dtype.element_ty), mask=m)
     if LOCAL:
-        tl.store(hloc_ptr + (range_row + rng * range_step) * (NS * NI) + n, h, mask=st_ok)
+        store_states(hloc_ptr + (range_row + rng * range_step) * (NS * NI) + first_n, 1, n_left,
+                     h, NI, row_ok)  # fmt: skip
         tl.store(dtsum_ptr + range_row + rng * range_step, tl.sum(dt_total, axis=2)[:, :, None],
                  mask=row_ok)  # fmt: skip
     else:
-        last_ok = st_ok & (rng == n_ranges - 1)
-        tl.store(last_ptr + seq.to(tl.int64) * s_lb + ch64 * s_ld + n, h, mask=last_ok)
+        last_ok = row_ok & (rng == n_ranges - 1)
+        store_states(last_ptr + seq.to(tl.int64) * s_lb + ch64 * s_ld + first_n, 1, n_left, h, NI,
+                     last_ok)  # fmt: skip
         # The spare checkpoint slot (see checkpoint_slots) gets the state after the last step,
         # written by the one program whose non-empty range ends there.
-        spare_ok = st_ok & (end == seqlen) & (start < end)
-        tl.store(ckpt_tile + ((seqlen + CKPT - 1) // CKPT) * s_kc, h, mask=spare_ok)
+        spare_ok = row_ok & (end == seqlen) & (start < end)
+        store_states(ckpt_tile + ((seqlen + CKPT - 1) // CKPT) * s_kc, 1, n_left, h, NI, spare_ok)
 
 
 @triton.jit
