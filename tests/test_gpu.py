@@ -141,13 +141,14 @@ def scan_fwd_bwd(inputs: dict, dout: torch.Tensor) -> list:
     return [*fwd, *OPS.scan_bwd_triton(dout, None, *[inputs[k] for k in SCAN_INPUTS], fwd[2], True)]
 
 
-@pytest.mark.parametrize("seqlen", [296, 2048])  # ranges (two launches each way), and one
+@pytest.mark.parametrize("seqlen", [296, 2048])  # 3 and 16 ranges: three launches each way
 def test_direct_launches_equal_tritons(seqlen, monkeypatch):
     """Eager calls relaunch the compiled kernels directly (kernels/launch.py): bit for bit what
     Triton's own launch gives; a misaligned view of the same layout gets a kernel compiled
     without the 16-byte alignment assumption."""
     from selective_scan.kernels import launch, scan
     from selective_scan.kernels.bc_blocks import _bc_blocks_kernel
+    from selective_scan.kernels.range_entries import _range_entries_kernel
 
     inputs = make_inputs(device="cuda", batch=2, dim=96, dstate=16, seqlen=seqlen,
                          dtype=torch.bfloat16, initial_state=True)  # fmt: skip
@@ -169,11 +170,15 @@ def test_direct_launches_equal_tritons(seqlen, monkeypatch):
     # Another specialization is another compiled kernel: equal up to rounding, not bitwise.
     for a, b in zip(scan_fwd_bwd(misaligned, dout), expected, strict=True):
         assert rel_err(a, b) < 1e-2
-    # B/C blocking (one launcher a plan) reads B and C, aligned in both cases.
+    # B/C blocking (one launcher a plan) reads B and C, aligned in both cases; the range
+    # entries (a launcher each way when the sequence is cut) read the ranges' fresh buffers.
     launchers = [lr for p in scan._PLANS.values() for lr in p.launchers.values()]
-    counts = [len(lr._compiled) for lr in launchers if lr.kernel is not _bc_blocks_kernel]
+    by_u = [lr for lr in launchers if lr.kernel not in (_bc_blocks_kernel, _range_entries_kernel)]
+    counts = [len(lr._compiled) for lr in by_u]
     assert counts and counts == [2] * len(counts)  # aligned, misaligned
     assert [len(lr._compiled) for lr in launchers if lr.kernel is _bc_blocks_kernel] == [1] * 2
+    entries = [len(lr._compiled) for lr in launchers if lr.kernel is _range_entries_kernel]
+    assert entries == [1] * 2
 
 
 def test_backward_with_unaligned_dout_rows():

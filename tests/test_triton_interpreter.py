@@ -3,7 +3,7 @@ conftest.py when there is no GPU), through the public API with SELECTIVE_SCAN_BA
 
 The interpreter runs every program in Python, so these cases are few and short, chosen to cover
 the kernels' branches: variable/grouped/constant B and C, optional inputs, padded states, tails
-of tiles, several checkpoint chunks, sequence ranges (the two-launch path), packed sequences
+of tiles, several checkpoint chunks, sequence ranges (the three-launch path), packed sequences
 with an empty one, an initial state, float64 exactness and low-precision inputs. The full option
 grid runs on the real kernels in test_gpu.py and, parametrized by backend, on a GPU machine.
 """
@@ -33,6 +33,11 @@ BOUND = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 2e-2}
 CASES = {
     # 300 steps: three 128-step chunks, cut into ranges (few channels), tail of a tile.
     "ranges-init": dict(seqlen=300, dstate=8, initial_state=True),
+    # 10 ranges: the range entries' launch takes them in more than one block of RANGE_BLOCK,
+    # forward and backward (the carry between blocks); padded states. A scaled down so that
+    # states last for ranges: with make_inputs' A, 128 steps decay them by ~1e-5, below the
+    # bound, and a wrong carry from two ranges back went unseen.
+    "many-ranges": dict(batch=1, seqlen=1200, dstate=5, initial_state=True, A_scale=0.01),
     # Strided in time (channels last), at a multiple of T: the kernels read these strides.
     "float64-constB-groupedC-strided": dict(
         seqlen=132, dtype=torch.float64, b_form="constant", c_form="grouped", D=False, z=False,
@@ -91,8 +96,10 @@ def test_triton_kernels_match_oracle(name, monkeypatch):
     if case.pop("checked", False):
         monkeypatch.setattr(scan, "align_mode", lambda *sizes: scan.ALIGN_CHECKED)
         monkeypatch.setattr(scan, "_PLANS", {})
+    A_scale = case.pop("A_scale", 1.0)
     inputs = make_inputs(device=DEVICE, batch=case.pop("batch", 2), dim=case.pop("dim", 8),
                          **case)  # fmt: skip
+    inputs["A"] = inputs["A"] * A_scale
     names = float_inputs(inputs)
     leaves = {k: v.detach().clone().requires_grad_(True) if k in names else v
               for k, v in inputs.items()}  # fmt: skip
@@ -335,10 +342,12 @@ def test_ranges_only_for_idle_gpus():
     """Sequences are cut into ranges only when few (sequence, channel) pairs exist, never for
     packed sequences, and the ranges cover the sequence in CKPT multiples."""
     B = torch.empty(1, 16, 8)
-    cfg = scan.config(1536, 16, torch.bfloat16, B, B)
+    cfg = scan.bwd_config(1536, 16, torch.bfloat16, B, B)
     count, length = scan.ranges(cfg, 1, 1536, 16384, varlen=False)
     assert count > 1 and length % scan.CKPT == 0 and (count - 1) * length < 16384 <= count * length
-    assert count == 32  # S3: 192 warps would take 10 ranges; once cut, FINER times finer
+    assert count == 32  # S3: 192 warps would take 10 ranges; once cut, FINER (4) times finer
+    fwd = scan.config(1536, 16, torch.bfloat16, B, B, 1, 16384)  # 2 lanes, 96 warps, FINER 2
+    assert scan.ranges(fwd, 1, 1536, 16384, varlen=False)[0] == 32
     assert scan.ranges(cfg, 8, 5120, 2048, varlen=False)[0] == 1
     assert scan.ranges(cfg, 8, 1536, 2048, varlen=False)[0] == 1  # S1: not cut, nor finer
     assert scan.ranges(cfg, 1, 5120, 256, varlen=False)[0] == 1  # S6: 2 ranges would not pay
@@ -455,3 +464,24 @@ def test_broadcast_steps_are_copied(monkeypatch):
     contiguous = grads(lambda out: torch.full_like(out, 0.5))
     for a, b in zip(expanded, contiguous, strict=True):
         assert torch.equal(a, b)
+
+
+def test_range_entries_launchers_keyed_by_dlast(monkeypatch):
+    """A backward plan is keyed by the scan's inputs; dlast_state is not one of them. The range
+    entries' launcher (cached in the plan for eager calls) must be picked by whether dlast is
+    given and by its strides, or a call reads dlast as an earlier call laid it out (opcheck of
+    the backward failed on the H200 after its gradient check had passed an expanded dlast,
+    session 12). Launches are recorded, not run."""
+    from selective_scan.kernels.range_entries import _range_entries_kernel
+
+    keys = []
+    monkeypatch.setattr(scan, "_launch_kernel", lambda *a, key: keys.append((a[1], key)))
+    monkeypatch.setattr(scan, "_PLANS", {})
+    inputs = make_inputs(device="cpu", batch=1, dim=8, dstate=4, seqlen=300)
+    ckpt = torch.zeros(1, 8, scan.checkpoint_slots(300, scan.CKPT), 4)
+    dout = torch.randn(1, 8, 300)
+    tensors = [inputs[k] for k in SCAN_INPUTS]
+    for dlast in (None, torch.randn(1, 8, 4), torch.randn(1, 1, 1).expand(1, 8, 4)):
+        scan.scan_bwd(dout, dlast, *tensors, checkpoints=ckpt, delta_softplus=True)
+    entries = [key for kernel, key in keys if kernel is _range_entries_kernel]
+    assert len(entries) == 3 and len(set(entries)) == 3

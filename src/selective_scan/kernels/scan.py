@@ -30,6 +30,7 @@ from torch.library import wrap_triton
 from .._checks import check_cu_seqlens_values, check_scan_inputs, checkpoint_slots, compute_dtype
 from .bc_blocks import _bc_blocks_kernel
 from .launch import Launcher, is_plain_eager
+from .range_entries import _range_entries_kernel
 from .scan_bwd import _scan_bwd_kernel
 from .scan_fwd import _scan_fwd_kernel
 
@@ -219,12 +220,13 @@ def config(
     torch.export) get T = 16 and 4 lanes: choosing would guard on them. The ranges' local pass
     (see `ranges`) keeps all states of a channel in one thread (LOCAL_NS = 1): it is bound by
     the SFU, and 4 lanes repeated each step's softplus on every lane (S3 0.459 -> 0.396 ms,
-    session 8)."""
+    session 8). FINER (see `ranges`) 2: S3 cut into 32 ranges 0.3742 -> 0.3665 ms, against 64
+    with 4 (session 12; the backward keeps 4: 1.295 -> 1.386 ms with 2)."""
     T = 16 if dtype.itemsize <= 4 else 8
     if isinstance(seqlen, int) and seqlen % T != 0 and seqlen % (T // 2) == 0:
         T //= 2
-    narrow = _tiles(dim, dstate, B, C, T, NS=2)
-    wide = _tiles(dim, dstate, B, C, T, NS=4)
+    narrow = _tiles(dim, dstate, B, C, T, NS=2) | {"FINER": 2}
+    wide = _tiles(dim, dstate, B, C, T, NS=4) | {"FINER": 2}
     use_narrow = all(isinstance(v, int) for v in (num_states, dim)) and (
         num_states * cdiv(dim, narrow["BD"]) >= TARGET_WARPS
         or (isinstance(seqlen, int) and ranges(wide, num_states, dim, seqlen, varlen)[0] > 1)
@@ -243,9 +245,11 @@ def bwd_config(
     scratch (kernels/scan_bwd.py): 5% faster on S1, S2, S3, S5, S7, but S4 (float32) 1.46 ->
     1.68 ms (session 7, not explained). The ranges' local pass takes 2 lanes a channel
     (LOCAL_NS): S3 1.462 -> 1.371 ms, against 1.404 with 1 lane (session 8). BF16_PARTS: see
-    `bc_part_dtype`."""
+    `bc_part_dtype`. FINER 4 (see `ranges`): S3 (192 warps, 10 -> 32 ranges) 1.58 -> 1.49 ms
+    (session 7)."""
     cfg = _tiles(dim, dstate, B, C, T=8 if dtype.itemsize <= 4 else 4, NS=4)
-    return cfg | {"KEEP_STEPS": int(dtype.itemsize == 2), "LOCAL_NS": 2, "BF16_PARTS": 1}
+    return cfg | {"KEEP_STEPS": int(dtype.itemsize == 2), "LOCAL_NS": 2, "BF16_PARTS": 1,
+                  "FINER": 4}  # fmt: skip
 
 
 def _derive_block(cfg: dict, dim, B: Tensor, C: Tensor) -> dict:
@@ -261,7 +265,6 @@ def _derive_block(cfg: dict, dim, B: Tensor, C: Tensor) -> dict:
 
 # Warps at which a launch keeps the H200's 528 schedulers busy enough (about 4 each).
 TARGET_WARPS = 2048
-FINER = 4  # see ranges
 MIN_RANGES = 3  # see ranges
 
 
@@ -275,11 +278,11 @@ def ranges(cfg: dict, num_states, dim, seqlen, varlen: bool) -> tuple:
     if varlen:
         return 1, chunks * CKPT
     warps = num_states * cdiv(dim, cfg["BD"]) * cfg["num_warps"]
-    # A sequence cut at all (TARGET_WARPS at least twice the warps) is cut FINER times finer:
-    # the local pass costs per step, not per range, and short ranges even out the waves. S3
-    # (192 warps, 10 -> 32 ranges): backward 1.58 -> 1.49 ms, forward 0.519 -> 0.472 (session
-    # 7). The factor is arithmetic, not a branch: no guard on symbolic sizes.
-    factor = 1 + (FINER - 1) * _sym_min(1, TARGET_WARPS // warps // 2)
+    # A sequence cut at all (TARGET_WARPS at least twice the warps) is cut FINER times finer
+    # (a tile setting, see config and bwd_config): the local pass costs per step, not per
+    # range, and short ranges even out the waves. The factor is arithmetic, not a branch: no
+    # guard on symbolic sizes.
+    factor = 1 + (cfg["FINER"] - 1) * _sym_min(1, TARGET_WARPS // warps // 2)
     wanted = _sym_min(chunks, factor * TARGET_WARPS // warps)
     # Fewer than MIN_RANGES ranges do not pay for the local pass: S6 (2 chunks) took 35.7 us
     # in the forward with 2 ranges, 29.8 with one (CUDA-graph replays, session 8).
@@ -449,6 +452,30 @@ def _range_buffers(u: Tensor, p: _Plan) -> tuple[Tensor, Tensor]:
     return h_local, u.new_empty((p.n_ranges * per_range,), dtype=p.cdt)
 
 
+# Ranges a program of _range_entries_kernel takes a step (its one warp holds RANGE_BLOCK ranges
+# of a value in each lane). Measured alone on S3's 63 ranges (do_bench, session 12): 8 ranges
+# 12.8 us, 16 12.2, 32 15.8, 64 14.5; 4.8 us between the scan kernels.
+RANGE_BLOCK = 16
+
+
+def _range_entries(p: _Plan, local: Tensor, dt_sums: Tensor, A: Tensor, init: Tensor | None,
+                   reverse: bool) -> None:  # fmt: skip
+    """Turn the local launch's per-range results (see _range_buffers) into the state entering
+    each range (forward; init = initial_state) or the gradient leaving it (backward, reverse;
+    init = dlast_state), in place: kernels/range_entries.py."""
+    BD = max(1, 32 // p.NP)  # a value of each range's results a lane
+    grid = (cdiv(p.dim, BD) * p.num_states, 1, 1)  # Inductor's launchers want three axes
+    init_strides = (0, 0, 0) if init is None else init.stride()
+    args = (p.dim, p.n_ranges, *A.stride(), *init_strides)
+    options = dict(DSTATE=p.dstate, NP=p.NP, BD=BD, RB=RANGE_BLOCK, REVERSE=reverse,
+                   HAS_INIT=init is not None, ACC=p.flags["ACC"], num_warps=1)  # fmt: skip
+    tensors = (local, dt_sums, A, init)
+    # The key holds every argument: a backward plan (keyed by the scan's inputs) serves calls
+    # with and without dlast_state, of any strides.
+    _launch_kernel(p.launchers, _range_entries_kernel, grid, tensors, args, options,
+                   key=(_range_entries_kernel, grid, *args, *options.values()))  # fmt: skip
+
+
 def scan_fwd(
     u: Tensor,
     delta: Tensor,
@@ -477,6 +504,8 @@ def scan_fwd(
     for local, grid, tiles in p.launches():
         _launch(p, _scan_fwd_kernel, grid, tensors, strides,
                 dict(SOFTPLUS=delta_softplus, LOCAL=local, **tiles))  # fmt: skip
+        if local:
+            _range_entries(p, h_local, dt_sums, A, initial_state, reverse=False)
     return unpadded(out, p), last, ckpt
 
 
@@ -645,6 +674,8 @@ def scan_bwd(
         flags = dict(SOFTPLUS=delta_softplus, HAS_DLAST=dlast_state is not None, LOCAL=local,
                      KEEP_STEPS=keep, ALIGN=align, **tiles, **({} if local else cap))  # fmt: skip
         _launch(p, _scan_bwd_kernel, grid, tensors, scalars, flags)
+        if local:
+            _range_entries(p, dh_local, dt_sums, A, dlast_state, reverse=True)
 
     def empty():  # one placeholder per absent input: outputs must not alias each other
         return u.new_empty((0,))

@@ -17,8 +17,9 @@ checkpoint chunk (CKPT steps) at a time, last chunk first:
 
 With the sequence cut into ranges (see scan_fwd.py), LOCAL=True first runs the adjoint
 recurrence alone over each range but the first, from a zero gradient at its end, and stores the
-gradient reaching the state before the range and sum(delta); the full launch then starts range r
-from the true gradient at its end, combined from those last range first.
+gradient reaching the state before the range and sum(delta); the range entries' launch
+(range_entries.py) combines those, last range first, into the true gradient at each range's
+end, where the full launch starts range r.
 
 dB/dC of variable B/C are summed over a block's BD channels inside the program (a reduce-scatter
 across the channel lanes, `channel_sums`), written per block (float32, or bfloat16 for bfloat16
@@ -186,15 +187,14 @@ def _scan_bwd_body(
     range_row = seq64 * dim + ch64  # [BD, 1, 1] into (ranges, sequences, dim), see scan_fwd.py
     range_step = num_seqs.to(tl.int64) * dim
     if not LOCAL:
-        if HAS_DLAST:
+        # Gradient at this range's end: dlast_state for the last range, for earlier ones what
+        # the range entries' launch (range_entries.py) left in the next range's slot.
+        if rng < n_ranges - 1:
+            dh_next = dhloc_ptr + (range_row + (rng + 1) * range_step) * NP + n
+            dh_carry = tl.load(dh_next, mask=st_ok, other=0.0)
+        elif HAS_DLAST:
             dh_carry = tl.load(dlast_ptr + seq64 * s_lb + ch64 * s_ld + n * s_ln, mask=st_ok,
                                other=0.0).to(ACC)  # fmt: skip
-        # Gradient at this range's end: fold in the later ranges' local results, last first.
-        for k in range(0, n_ranges - 1 - rng):
-            r = n_ranges - 1 - k
-            dtsum = tl.load(dtsum_ptr + range_row + r * range_step, mask=row_ok, other=0.0)
-            dh_r = tl.load(dhloc_ptr + (range_row + r * range_step) * NP + n, mask=st_ok, other=0.0)
-            dh_carry = tl.math.exp2(A2 * dtsum) * dh_carry + dh_r
     dA_acc = tl.zeros([BD, NS, NI], ACC)
     dB_acc = tl.zeros([BD, NS, NI], ACC)  # constant B/C: summed over the sequence
     dC_acc = tl.zeros([BD, NS, NI], ACC)

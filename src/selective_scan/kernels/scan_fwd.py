@@ -11,10 +11,11 @@ Variable B and C arrive pre-blocked as float32 (batch, groups, seqlen / T, NP, T
 `bc_blocks`): one aligned, unmasked vector load per (state, tile), no conversion in the loop.
 
 Few (batch, channel) pairs leave most of the GPU idle, so a sequence can also be cut into
-ranges of RL steps processed by separate programs (program axis 2), in two launches: LOCAL=True
-runs each range but the last from a zero state and stores only its end state and sum(delta);
-the full launch then starts range r from the true state entering it, combined in order from
-those (the state entering range r + 1 is exp(A sum(delta_r)) h_in(r) + h_local(r)).
+ranges of RL steps processed by separate programs (program axis 2), in three launches:
+LOCAL=True runs each range but the last from a zero state and stores only its end state and
+sum(delta); the range entries' launch (range_entries.py) turns those into the state entering
+each range (the state entering range r + 1 is exp(A sum(delta_r)) h_in(r) + h_local(r)); the
+full launch then starts range r from it.
 
 Steps outside [start, end) of the sequence (the head of the first tile, the tail of the last)
 get delta = 0, i.e. exp(0 * A) = 1 and no input: they carry the state through unchanged.
@@ -86,21 +87,20 @@ def _scan_fwd_body(
     n_left = DSTATE - first_n
     A2 = load_states(A_ptr + ch64 * s_Ad + first_n * s_An, s_An, n_left, NI, row_ok, ACC)
     A2 *= tl.full([1, 1, 1], LOG2E, ACC)  # exact in float64 too (a bare literal is fp32)
-    h = tl.zeros([BD, NS, NI], ACC)
-    if HAS_H0 and not LOCAL:
-        h0 = h0_ptr + seq.to(tl.int64) * s_hb + ch64 * s_hd + first_n * s_hn
-        h = load_states(h0, s_hn, n_left, NI, row_ok, ACC)
-    # State entering this range: fold in the earlier ranges' local end states, in order.
+    # State entering this range: the initial state, or for later ranges the one left in
+    # their slot of the local results by the range entries' launch (range_entries.py).
     # Per-range results are (ranges, sequences, dim[, NP]): no stride depends on the range
     # count (a symbolic one made Inductor copy these buffers, see kernels/scan.py).
     range_row = seq.to(tl.int64) * dim + ch64  # [BD, 1, 1]: this block's rows of range 0
     range_step = num_seqs.to(tl.int64) * dim
+    h = tl.zeros([BD, NS, NI], ACC)
     if not LOCAL:
-        for r in range(0, rng):
-            dtsum = tl.load(dtsum_ptr + range_row + r * range_step, mask=row_ok, other=0.0)
-            h_r = load_states(hloc_ptr + (range_row + r * range_step) * (NS * NI) + first_n, 1,
-                              n_left, NI, row_ok, ACC)  # fmt: skip
-            h = tl.math.exp2(A2 * dtsum) * h + h_r
+        if rng > 0:
+            entry = hloc_ptr + (range_row + (rng - 1) * range_step) * (NS * NI) + first_n
+            h = load_states(entry, 1, n_left, NI, row_ok, ACC)
+        elif HAS_H0:
+            h0 = h0_ptr + seq.to(tl.int64) * s_hb + ch64 * s_hd + first_n * s_hn
+            h = load_states(h0, s_hn, n_left, NI, row_ok, ACC)
     # B/C: constant (dim, dstate) with strides (s_Bd, s_Bn), or blocks (see bc_blocks) whose
     # offsets are multiples of T by construction, which lets Triton emit aligned vector loads.
     # B/C tiles are loaded once per program ([1, NS, T]), not once per channel: with the loop
