@@ -469,9 +469,10 @@ def test_broadcast_steps_are_copied(monkeypatch):
 def test_range_entries_launchers_keyed_by_dlast(monkeypatch):
     """A backward plan is keyed by the scan's inputs; dlast_state is not one of them. The range
     entries' launcher (cached in the plan for eager calls) must be picked by whether dlast is
-    given and by its strides, or a call reads dlast as an earlier call laid it out (opcheck of
-    the backward failed on the H200 after its gradient check had passed an expanded dlast,
-    session 12). Launches are recorded, not run."""
+    given and by its strides, or a call reads dlast as an earlier call laid it out. (Keyed by
+    its options only, the backward's opcheck failed on the H200 in a process that had run other
+    calls of its layout, and passed in a fresh one: session 12.) Launches are recorded, not
+    run."""
     from selective_scan.kernels.range_entries import _range_entries_kernel
 
     keys = []
