@@ -220,8 +220,8 @@ def config(
     torch.export) get T = 16 and 4 lanes: choosing would guard on them. The ranges' local pass
     (see `ranges`) keeps all states of a channel in one thread (LOCAL_NS = 1): it is bound by
     the SFU, and 4 lanes repeated each step's softplus on every lane (S3 0.459 -> 0.396 ms,
-    session 8). FINER (see `ranges`) 2: S3 cut into 32 ranges 0.3742 -> 0.3665 ms, against 64
-    with 4 (session 12; the backward keeps 4: 1.295 -> 1.386 ms with 2)."""
+    session 8). FINER (see `ranges`) 2: S3 cut into 32 ranges 0.3635 ms, into 64 with 4 0.3669
+    (session 12; the backward keeps 4: 1.295 ms, 1.386 with the ranges FINER 2 gives)."""
     T = 16 if dtype.itemsize <= 4 else 8
     if isinstance(seqlen, int) and seqlen % T != 0 and seqlen % (T // 2) == 0:
         T //= 2
