@@ -380,9 +380,10 @@ class _Plan:
         return u, delta, A, Bb, Cb, D, z, delta_bias, initial_state, cu_seqlens
 
     def launches(self):
-        """(LOCAL flag, grid, tile flags) of each launch: the ranges' local pass first when
-        there are several ranges (see scan_fwd.py), with its own tiles, then the full pass.
-        Grids are (blocks of channels x sequences, 1, ranges), see common.block_and_sequence."""
+        """(LOCAL flag, grid, tile flags) of each scan launch: the ranges' local pass first when
+        there are several ranges (see scan_fwd.py), with its own tiles, then the full pass; the
+        caller launches the range entries between them (_range_entries). Grids are (blocks of
+        channels x sequences, 1, ranges), see common.block_and_sequence."""
         states, count = self.num_states, self.n_ranges
         if _may_exceed_one(count):
             lt = self.local_tiles
