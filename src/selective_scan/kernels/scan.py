@@ -225,13 +225,14 @@ def config(
     T = 16 if dtype.itemsize <= 4 else 8
     if isinstance(seqlen, int) and seqlen % T != 0 and seqlen % (T // 2) == 0:
         T //= 2
-    narrow = _tiles(dim, dstate, B, C, T, NS=2) | {"FINER": 2}
-    wide = _tiles(dim, dstate, B, C, T, NS=4) | {"FINER": 2}
+    both = {"LOCAL_NS": 1, "FINER": 2}  # FINER: the wide tiles' ranges decide below
+    narrow = _tiles(dim, dstate, B, C, T, NS=2) | both
+    wide = _tiles(dim, dstate, B, C, T, NS=4) | both
     use_narrow = all(isinstance(v, int) for v in (num_states, dim)) and (
         num_states * cdiv(dim, narrow["BD"]) >= TARGET_WARPS
         or (isinstance(seqlen, int) and ranges(wide, num_states, dim, seqlen, varlen)[0] > 1)
     )
-    return (narrow if use_narrow else wide) | {"LOCAL_NS": 1}
+    return narrow if use_narrow else wide
 
 
 def bwd_config(
