@@ -21,6 +21,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from selective_scan import selective_scan_fn
 from selective_scan.kernels import offline, scan
 from selective_scan.kernels.bc_blocks import _bc_blocks_kernel
+from selective_scan.kernels.scan import new_rows
 
 pytestmark = [
     pytest.mark.skipif(not TRITON_RUNS, reason="needs triton (a GPU or the interpreter)"),
@@ -65,12 +66,16 @@ CASES = {
                                 b_form="grouped", c_form="grouped", groups=2),
     # The backward's tile walk loading delta and softplus' from the scratch (KEEP_STEPS, the
     # default for 16-bit inputs), in float32's tighter bound, across chunks and ranges.
-    "ranges-keep-steps": dict(seqlen=300, dstate=8, initial_state=True, keep_steps=True),
+    "ranges-keep-steps": dict(seqlen=300, dstate=8, initial_state=True,
+                              bwd_tiles={"KEEP_STEPS": 1}),
     # The ranges' local passes take their own tiles by default (LOCAL_NS: all states of a
     # channel in one thread forward, 2 lanes backward); here the full passes' (4 lanes), with
     # grouped B.
     "ranges-local-lanes": dict(seqlen=300, dstate=8, initial_state=True, b_form="grouped",
-                               local_ns=4),
+                               fwd_tiles={"LOCAL_NS": 4}, bwd_tiles={"LOCAL_NS": 4}),
+    # The forward's PRE pass (delta's bias and softplus once per step, see config) runs in the
+    # uncut cases above by default; here over ranges too, each of which starts past step 0.
+    "pre-ranges": dict(seqlen=300, dstate=8, initial_state=True, fwd_tiles={"PRE": 64}),
     # As traced with symbolic sizes: the kernels test the strides' divisibility by T at run
     # time and take the body declaring it, or the plain one.
     "checked-aligned-ranges": dict(seqlen=300, dstate=8, initial_state=True, checked=True),
@@ -85,14 +90,10 @@ def test_triton_kernels_match_oracle(name, monkeypatch):
     softplus = case.pop("softplus", True)
     strided = case.pop("strided", False)
     sliced = case.pop("sliced", False)
-    if case.pop("keep_steps", False):
-        monkeypatch.setattr(scan, "bwd_config", scan.overridden(scan.bwd_config, {"KEEP_STEPS": 1}))
-        monkeypatch.setattr(scan, "_PLANS", {})
-    if local_ns := case.pop("local_ns", None):
-        for name in ("config", "bwd_config"):
-            tiles = scan.overridden(getattr(scan, name), {"LOCAL_NS": local_ns})
-            monkeypatch.setattr(scan, name, tiles)
-        monkeypatch.setattr(scan, "_PLANS", {})
+    for fn_name, key in (("config", "fwd_tiles"), ("bwd_config", "bwd_tiles")):
+        if tiles := case.pop(key, None):
+            monkeypatch.setattr(scan, fn_name, scan.overridden(getattr(scan, fn_name), tiles))
+            monkeypatch.setattr(scan, "_PLANS", {})
     if case.pop("checked", False):
         monkeypatch.setattr(scan, "align_mode", lambda *sizes: scan.ALIGN_CHECKED)
         monkeypatch.setattr(scan, "_PLANS", {})
@@ -367,6 +368,36 @@ def test_forward_lanes():
     assert lanes(16, 2048, 1024) == lanes(8, 5120, 2048) == lanes(1, 1536, 16384) == 2
     assert lanes(8, 1536, 2048) == lanes(1, 5120, 256) == lanes(1, 1536, 16384, True) == 4
     assert lanes(1, 1536, ShapeEnv().create_unbacked_symint()) == 4
+
+
+def test_forward_pre_pass():
+    """Delta's PRE pass only for launches of few warps in one range (S6, small calls), not for
+    fuller ones (S1), cut sequences, or symbolic sizes."""
+    B = torch.empty(1, 16, 8)
+
+    def pre(num_states, dim, seqlen, varlen=False):
+        return scan.config(dim, 16, torch.bfloat16, B, B, num_states, seqlen, varlen)["PRE"]
+
+    assert pre(1, 5120, 256) == pre(2, 8, 64) == pre(1, 8, 150, True) == scan.PRE_STEPS
+    assert pre(8, 1536, 2048) == pre(1, 5120, 384) == pre(2, 8, 300) == 0
+    assert pre(1, 5120, ShapeEnv().create_unbacked_symint()) == 0
+
+
+def test_pre_pass_writes_own_steps_only(monkeypatch):
+    """The PRE pass of a packed sequence writes its own steps only: the steps of a whole tile
+    that belong to a neighbour are that neighbour's program's (programs run concurrently on a
+    GPU, in order under the interpreter, where a stray write would go unseen but for the
+    padded rows' tail, which no sequence owns and which must keep its poison)."""
+    monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", "triton")
+    rows = []
+    monkeypatch.setattr(scan, "new_rows", lambda *a: rows.append(new_rows(*a)) or rows[-1])
+    monkeypatch.setattr(scan, "_PLANS", {})
+    inputs = make_inputs(device=DEVICE, batch=1, dim=8, dstate=4, seqlen=150,
+                         cu_seqlens=[0, 10, 10, 64, 131, 150])  # fmt: skip
+    selective_scan_fn(**inputs, delta_softplus=True)
+    pre = rows[1]._base  # out's rows, then PRE's scratch: (1, 8, 160) for 150 steps
+    assert pre.shape[-1] == 160 and not pre[..., :150].isnan().any()
+    assert pre[..., 150:].isnan().all()
 
 
 def test_grids_take_large_batches():

@@ -221,18 +221,31 @@ def config(
     (see `ranges`) keeps all states of a channel in one thread (LOCAL_NS = 1): it is bound by
     the SFU, and 4 lanes repeated each step's softplus on every lane (S3 0.459 -> 0.396 ms,
     session 8). FINER (see `ranges`) 2: S3 cut into 32 ranges 0.3635 ms, into 64 with 4 0.3669
-    (session 12; the backward keeps 4: 1.295 ms, 1.386 with the ranges FINER 2 gives)."""
+    (session 12; the backward keeps 4: 1.295 ms, 1.386 with the ranges FINER 2 gives). PRE
+    (steps a pass, 0: off; see scan_fwd.py): delta's bias and softplus once per step before the
+    tile loop, for launches of few warps in one range, where each warp's latency is the time:
+    S6 (640 warps) 28.1 -> 26.7 us as a CUDA graph. It costs float32 rows of the input's size
+    and their traffic: S1, S2, S4 (1536-2048 warps) 15-19% slower with it, S7 2% (session 13;
+    S5 10% faster, not adopted on one run)."""
     T = 16 if dtype.itemsize <= 4 else 8
     if isinstance(seqlen, int) and seqlen % T != 0 and seqlen % (T // 2) == 0:
         T //= 2
-    both = {"LOCAL_NS": 1, "FINER": 2}  # FINER: the wide tiles' ranges decide below
+    both = {"LOCAL_NS": 1, "FINER": 2, "PRE": 0}  # FINER: the wide tiles' ranges decide below
     narrow = _tiles(dim, dstate, B, C, T, NS=2) | both
     wide = _tiles(dim, dstate, B, C, T, NS=4) | both
+    known = all(isinstance(v, int) for v in (num_states, dim, seqlen))
+    cut = known and ranges(wide, num_states, dim, seqlen, varlen)[0] > 1
     use_narrow = all(isinstance(v, int) for v in (num_states, dim)) and (
-        num_states * cdiv(dim, narrow["BD"]) >= TARGET_WARPS
-        or (isinstance(seqlen, int) and ranges(wide, num_states, dim, seqlen, varlen)[0] > 1)
+        num_states * cdiv(dim, narrow["BD"]) >= TARGET_WARPS or cut
     )
-    return narrow if use_narrow else wide
+    if use_narrow:
+        return narrow
+    if known and not cut and num_states * cdiv(dim, wide["BD"]) < TARGET_WARPS // 2:
+        return wide | {"PRE": PRE_STEPS}
+    return wide
+
+
+PRE_STEPS = 128  # see config: S6 26.7 us, 27.1 with 64 steps a pass, 28.1 with 256
 
 
 def bwd_config(
@@ -501,11 +514,13 @@ def scan_fwd(
     last = u.new_empty((p.num_states, p.dim, p.dstate), dtype=p.cdt)
     ckpt = u.new_empty((p.batch, p.dim, checkpoint_slots(p.seqlen, CKPT), p.dstate), dtype=p.cdt)
     h_local, dt_sums = _range_buffers(u, p)
-    tensors = (*p.tensors(*inputs), out, last, ckpt, h_local, dt_sums)
+    # PRE (see config): delta after its bias and softplus, in rows like out's (same strides).
+    pre = new_rows(u, p, p.cdt) if p.cfg["PRE"] else u.new_empty((0,), dtype=p.cdt)
+    tensors = (*p.tensors(*inputs), out, last, ckpt, h_local, dt_sums, pre)
     strides = (*out.stride()[:2], *ckpt.stride()[:3], *last.stride()[:2])
     for local, grid, tiles in p.launches():
         _launch(p, _scan_fwd_kernel, grid, tensors, strides,
-                dict(SOFTPLUS=delta_softplus, LOCAL=local, **tiles))  # fmt: skip
+                dict(SOFTPLUS=delta_softplus, LOCAL=local, PRE=p.cfg["PRE"], **tiles))  # fmt: skip
         if local:
             _range_entries(p, h_local, dt_sums, A, initial_state, reverse=False)
     return unpadded(out, p), last, ckpt
