@@ -224,7 +224,7 @@ def config(
     (session 12; the backward keeps 4: 1.295 ms, 1.386 with the ranges FINER 2 gives). PRE
     (steps a pass, 0: off; see scan_fwd.py): delta's bias and softplus once per step before the
     tile loop, for launches of few warps in one range, where each warp's latency is the time:
-    S6 (640 warps) 28.1 -> 26.7 us as a CUDA graph. It costs float32 rows of the input's size
+    S6 (640 warps) 28.1 -> 26.5 us as a CUDA graph. It costs float32 rows of the input's size
     and their traffic: S1, S2, S4 (1536-2048 warps) 15-19% slower with it, S7 2% (session 13;
     S5 10% faster, not adopted on one run)."""
     T = 16 if dtype.itemsize <= 4 else 8
