@@ -245,7 +245,7 @@ def config(
     return wide
 
 
-PRE_STEPS = 128  # see config: S6 26.7 us, 27.1 with 64 steps a pass, 28.1 with 256
+PRE_STEPS = 128  # see config: S6 26.5-26.7 us, 27.1 with 64 steps a pass, 28.1 with 256
 
 
 def bwd_config(
