@@ -221,6 +221,22 @@ def time_tile(base, t, t_stride, mask, load_mask, ACC: tl.constexpr, WHOLE: tl.c
 
 
 @triton.jit
+def delta_tile(dt_row, t, s_dt, mask, load_mask, bias, HAS_BIAS: tl.constexpr,
+               SOFTPLUS: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr,
+               WHOLE: tl.constexpr):  # fmt: skip
+    """(delta after its bias and softplus, 0 outside mask; softplus' of it, or unused without
+    softplus) of one time tile (see time_tile): the forward drops the derivative, and the
+    compiler with it."""
+    dt = time_tile(dt_row, t, s_dt, mask, load_mask, ACC, WHOLE)
+    if HAS_BIAS:
+        dt += bias
+    grad = dt
+    if SOFTPLUS:
+        dt, grad = softplus_and_grad(dt, FAST)
+    return tl.where(mask, dt, 0.0), grad
+
+
+@triton.jit
 def load_states(ptrs, stride, limit, NI: tl.constexpr, row_ok, ACC: tl.constexpr):
     """[BD, NS, NI] values at ptrs ([BD, NS, 1], state lane * NI) + i * stride, states from
     `limit` (state count less lane * NI) on read as 0. One [BD, NS, 1] load per state i: a

@@ -37,13 +37,13 @@ from .common import (
     block_and_sequence,
     channel_sums,
     combine,
+    delta_tile,
     pick,
     put,
     reverse_recurrence,
     row_offset,
     shift_right,
     sigmoid,
-    softplus_and_grad,
     sum_steps,
     tile_masks,
     time_tile,
@@ -57,13 +57,7 @@ def _tile_inputs(
 ):  # fmt: skip
     """(delta, d delta / d(delta input) = softplus' or unused, u) of one tile; delta = 0 outside
     the sequence."""
-    dt = time_tile(dt_row, t64, s_dt, m, lm, ACC, WHOLE)
-    if HAS_BIAS:
-        dt += bias
-    dsp = dt  # unused without softplus
-    if SOFTPLUS:
-        dt, dsp = softplus_and_grad(dt, FAST)
-    dt = tl.where(m, dt, 0.0)
+    dt, dsp = delta_tile(dt_row, t64, s_dt, m, lm, bias, HAS_BIAS, SOFTPLUS, ACC, FAST, WHOLE)
     return dt, dsp, time_tile(u_row, t64, s_ut, m, lm, ACC, WHOLE)
 
 

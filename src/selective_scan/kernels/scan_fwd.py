@@ -35,12 +35,12 @@ from .common import (
     LOG2E,
     block_and_sequence,
     combine,
+    delta_tile,
     load_states,
     pick,
     put,
     row_offset,
     sigmoid,
-    softplus,
     store_states,
     tile_masks,
     time_tile,
@@ -121,6 +121,7 @@ def _scan_fwd_body(
         C_const = load_states(C_ptr + ch64 * s_Cd + first_n * s_Cn, s_Cn, n_left, NI, row_ok, ACC)
     if HAS_D:
         Dv = tl.load(D_ptr + ch64 * s_D, mask=row_ok, other=0.0).to(ACC)
+    bias = tl.zeros([BD, 1, 1], ACC)  # unused without delta_bias
     if HAS_BIAS:
         bias = tl.load(bias_ptr + ch64 * s_bias, mask=row_ok, other=0.0).to(ACC)
     u_row = u_ptr + row_offset(batch, s_ub, ch64, s_ud, T, ALIGNED)
@@ -140,11 +141,8 @@ def _scan_fwd_body(
         for p0 in tl.range((start // T) * T, end, PRE, num_stages=STAGES):
             tp = p0 + tl.arange(0, PRE)[None, None, :]  # [1, 1, PRE]
             mp, lmp = tile_masks(row_ok, tp, start, end, seqlen, T, WHOLE)
-            dp = time_tile(dt_row, tp.to(tl.int64), s_dt, mp, lmp, ACC, WHOLE)
-            if HAS_BIAS:
-                dp += bias
-            if SOFTPLUS:
-                dp = softplus(dp, FAST)
+            dp = delta_tile(dt_row, tp.to(tl.int64), s_dt, mp, lmp, bias, HAS_BIAS, SOFTPLUS,
+                            ACC, FAST, WHOLE)[0]  # fmt: skip
             # Only this program's steps: a packed neighbour's share this row's whole tiles,
             # and the loop zeroes steps outside its own range after loading them.
             tl.store(pre_row + tp.to(tl.int64), dp, mask=mp)
@@ -159,12 +157,8 @@ def _scan_fwd_body(
         if SHARED_DT:
             dt = time_tile(pre_row, t64, 1, m, lm, ACC, WHOLE)
         else:
-            dt = time_tile(dt_row, t64, s_dt, m, lm, ACC, WHOLE)
-            if HAS_BIAS:
-                dt += bias
-            if SOFTPLUS:
-                dt = softplus(dt, FAST)
-            dt = tl.where(m, dt, 0.0)
+            dt = delta_tile(dt_row, t64, s_dt, m, lm, bias, HAS_BIAS, SOFTPLUS, ACC, FAST,
+                            WHOLE)[0]  # fmt: skip
         dt_total += dt
         uu = time_tile(u_row, t64, s_ut, m, lm, ACC, WHOLE)
         dtu = dt * uu
