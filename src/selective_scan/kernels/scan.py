@@ -225,8 +225,11 @@ def config(
     (steps a pass, 0: off; see scan_fwd.py): delta's bias and softplus once per step before the
     tile loop, for launches of few warps in one range, where each warp's latency is the time:
     S6 (640 warps) 28.1 -> 26.5 us as a CUDA graph. It costs float32 rows of the input's size
-    and their traffic: S1, S2, S4 (1536-2048 warps) 15-19% slower with it, S7 2% (session 13;
-    S5 10% faster, not adopted on one run)."""
+    and their traffic: S1, S2, S4 (4-lane tiles, 1536-2048 warps) 15-19% slower with it. With
+    2-lane tiles it took 10% off sequences of 1024 steps (S5, S5 ungrouped, S2's 16384
+    channels x 1024 steps; S7's 40960 x 1024: 1.6%), and added 2% to those of 2048 (S7,
+    grouped or not), in two sessions (13, 14): on for 2-lane tiles up to PRE_NARROW_MAX steps.
+    Why the length decides is not known."""
     T = 16 if dtype.itemsize <= 4 else 8
     if isinstance(seqlen, int) and seqlen % T != 0 and seqlen % (T // 2) == 0:
         T //= 2
@@ -239,13 +242,15 @@ def config(
         num_states * cdiv(dim, narrow["BD"]) >= TARGET_WARPS or cut
     )
     if use_narrow:
-        return narrow
+        short = known and not cut and seqlen <= PRE_NARROW_MAX
+        return narrow | {"PRE": PRE_STEPS} if short else narrow
     if known and not cut and num_states * cdiv(dim, wide["BD"]) < TARGET_WARPS // 2:
         return wide | {"PRE": PRE_STEPS}
     return wide
 
 
 PRE_STEPS = 128  # see config: S6 26.5-26.7 us, 27.1 with 64 steps a pass, 28.1 with 256
+PRE_NARROW_MAX = 1024  # see config: the longest sequence of 2-lane tiles with the PRE pass
 
 
 def bwd_config(
