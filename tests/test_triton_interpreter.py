@@ -74,9 +74,13 @@ CASES = {
     "ranges-local-lanes": dict(seqlen=300, dstate=8, initial_state=True, b_form="grouped",
                                fwd_tiles={"LOCAL_NS": 4}, bwd_tiles={"LOCAL_NS": 4}),
     # The forward's PRE pass (delta's bias and softplus once per step, see config) runs in the
-    # uncut cases above by default; here over ranges too, each of which starts past step 0,
-    # in 2-lane tiles (the 2-lane default for short sequences of many channels).
-    "pre-ranges": dict(seqlen=300, dstate=8, initial_state=True, fwd_tiles={"PRE": 64, "NS": 2}),
+    # uncut cases above by default; here over ranges too, each of which starts past step 0.
+    "pre-ranges": dict(seqlen=300, dstate=8, initial_state=True, fwd_tiles={"PRE": 64}),
+    # The forward's epilogue in the loop's layout (EPI, the default of 2-lane tiles), over
+    # ranges, with and without z.
+    "two-lane-epilogue": dict(seqlen=300, dstate=8, initial_state=True,
+                              fwd_tiles={"NS": 2, "EPI": 1}),
+    "two-lane-epilogue-no-z": dict(seqlen=41, dstate=16, z=False, fwd_tiles={"NS": 2, "EPI": 1}),
     # As traced with symbolic sizes: the kernels test the strides' divisibility by T at run
     # time and take the body declaring it, or the plain one.
     "checked-aligned-ranges": dict(seqlen=300, dstate=8, initial_state=True, checked=True),
@@ -372,17 +376,20 @@ def test_forward_lanes():
 
 
 def test_forward_pre_pass():
-    """Delta's PRE pass for launches of few warps in one range (S6, small calls) and for short
-    sequences in 2-lane tiles (S5), not for fuller 4-lane launches (S1), longer 2-lane ones (S7),
-    cut sequences, or symbolic sizes."""
+    """Delta's PRE pass only for launches of few warps in one range (S6, small calls), not for
+    fuller ones (S1, S5, S7), cut sequences, or symbolic sizes; the epilogue in the loop's
+    layout (EPI) with 2-lane tiles only."""
     B = torch.empty(1, 16, 8)
 
     def pre(num_states, dim, seqlen, varlen=False):
         return scan.config(dim, 16, torch.bfloat16, B, B, num_states, seqlen, varlen)["PRE"]
 
     assert pre(1, 5120, 256) == pre(2, 8, 64) == pre(1, 8, 150, True) == scan.PRE_STEPS
-    assert pre(16, 2048, 1024) == scan.PRE_STEPS
     assert pre(8, 1536, 2048) == pre(1, 5120, 384) == pre(2, 8, 300) == pre(8, 5120, 2048) == 0
+    assert pre(16, 2048, 1024) == 0
+    epi = {(dim, seqlen): scan.config(dim, 16, torch.bfloat16, B, B, 8, seqlen)["EPI"]
+           for dim, seqlen in ((5120, 2048), (1536, 2048))}  # fmt: skip
+    assert epi == {(5120, 2048): 1, (1536, 2048): 0}
     assert pre(1, 5120, ShapeEnv().create_unbacked_symint()) == 0
 
 

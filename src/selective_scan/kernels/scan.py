@@ -225,15 +225,16 @@ def config(
     (steps a pass, 0: off; see scan_fwd.py): delta's bias and softplus once per step before the
     tile loop, for launches of few warps in one range, where each warp's latency is the time:
     S6 (640 warps) 28.1 -> 26.5 us as a CUDA graph. It costs float32 rows of the input's size
-    and their traffic: S1, S2, S4 (4-lane tiles, 1536-2048 warps) 15-19% slower with it. With
-    2-lane tiles it took 10% off sequences of 1024 steps (S5, S5 ungrouped, S2's 16384
-    channels x 1024 steps; S7's 40960 x 1024: 1.6%), and added 2% to those of 2048 (S7,
-    grouped or not), in two sessions (13, 14): on for 2-lane tiles up to PRE_NARROW_MAX steps.
-    Why the length decides is not known."""
+    and their traffic: S1, S2, S4 (4-lane tiles, 1536-2048 warps) 15-19% slower with it. EPI
+    (see scan_fwd.py): the output's epilogue in the loop's layout, for 2-lane tiles: S7 0.681
+    -> 0.634 ms, S3 0.363 -> 0.353, S5 0.319 -> 0.279 (0.286 with PRE instead, 0.293 with
+    both); 4-lane tiles lose (S2 0.318 -> 0.381, S4 0.286 -> 0.296, S6 26.6 -> 27.5 us; session
+    14)."""
     T = 16 if dtype.itemsize <= 4 else 8
     if isinstance(seqlen, int) and seqlen % T != 0 and seqlen % (T // 2) == 0:
         T //= 2
-    both = {"LOCAL_NS": 1, "FINER": 2, "PRE": 0}  # FINER: the wide tiles' ranges decide below
+    # FINER: the wide tiles' ranges decide below
+    both = {"LOCAL_NS": 1, "FINER": 2, "PRE": 0, "EPI": 0}
     narrow = _tiles(dim, dstate, B, C, T, NS=2) | both
     wide = _tiles(dim, dstate, B, C, T, NS=4) | both
     known = all(isinstance(v, int) for v in (num_states, dim, seqlen))
@@ -242,15 +243,13 @@ def config(
         num_states * cdiv(dim, narrow["BD"]) >= TARGET_WARPS or cut
     )
     if use_narrow:
-        short = known and not cut and seqlen <= PRE_NARROW_MAX
-        return narrow | {"PRE": PRE_STEPS} if short else narrow
+        return narrow | {"EPI": 1}
     if known and not cut and num_states * cdiv(dim, wide["BD"]) < TARGET_WARPS // 2:
         return wide | {"PRE": PRE_STEPS}
     return wide
 
 
 PRE_STEPS = 128  # see config: S6 26.5-26.7 us, 27.1 with 64 steps a pass, 28.1 with 256
-PRE_NARROW_MAX = 1024  # see config: the longest sequence of 2-lane tiles with the PRE pass
 
 
 def bwd_config(
@@ -525,7 +524,8 @@ def scan_fwd(
     strides = (*out.stride()[:2], *ckpt.stride()[:3], *last.stride()[:2])
     for local, grid, tiles in p.launches():
         _launch(p, _scan_fwd_kernel, grid, tensors, strides,
-                dict(SOFTPLUS=delta_softplus, LOCAL=local, PRE=p.cfg["PRE"], **tiles))  # fmt: skip
+                dict(SOFTPLUS=delta_softplus, LOCAL=local, PRE=p.cfg["PRE"], EPI=p.cfg["EPI"],
+                     **tiles))  # fmt: skip
         if local:
             _range_entries(p, h_local, dt_sums, A, initial_state, reverse=False)
     return unpadded(out, p), last, ckpt

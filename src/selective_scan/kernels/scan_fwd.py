@@ -20,6 +20,12 @@ full launch then starts range r from it.
 With PRE (a launch of few warps, see config), each program first writes delta after its bias
 and softplus for its rows to a scratch, PRE steps at a time, and the tile loop reads that.
 
+The output's epilogue (D u, the gate silu(z), the store) takes y summed over a channel's lanes.
+By default it runs in the layout Triton gives [BD, 1, T] tiles (the steps spread over the
+lanes), which it reaches from the sum's through shared memory: on S6 the lane sum, that
+conversion and the epilogue took 40% of the tile loop's stall samples (ncu, session 14). With
+EPI every lane runs the epilogue on all T steps in the loop's own layout and lane 0 stores.
+
 Steps outside [start, end) of the sequence (the head of the first tile, the tail of the last)
 get delta = 0, i.e. exp(0 * A) = 1 and no input: they carry the state through unchanged.
 
@@ -61,7 +67,7 @@ def _scan_fwd_body(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, VARLEN: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
     ACC: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr, LOCAL: tl.constexpr,
-    PRE: tl.constexpr, WIDE: tl.constexpr, ALIGNED: tl.constexpr,
+    PRE: tl.constexpr, EPI: tl.constexpr, WIDE: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
     WHOLE: tl.constexpr = WIDE and ALIGNED  # load whole tiles (see tile_masks)
     blk, seq, num_seqs = block_and_sequence(dim, BD)
@@ -182,12 +188,22 @@ def _scan_fwd_body(
                 y += hs * c_i
         if not LOCAL:
             out = tl.sum(y, axis=1)[:, None, :]
+            o_row = out_row
+            om = m
+            if HAS_Z:
+                zb = z_row
+            if EPI:  # [BD, NS, T] pointers and values: the loop's layout, no conversion
+                out += tl.zeros([BD, NS, T], ACC)
+                o_row = out_row + lane * 0
+                om = m & (lane == 0)
+                if HAS_Z:
+                    zb = z_row + lane * 0
             if HAS_D:
                 out += Dv * uu
             if HAS_Z:
-                zz = time_tile(z_row, t64, s_zt, m, lm, ACC, WHOLE)
+                zz = time_tile(zb, t64, s_zt, m, lm, ACC, WHOLE)
                 out *= zz * sigmoid(zz, FAST)
-            tl.store(out_row + t64, out.to(out_ptr.dtype.element_ty), mask=m)
+            tl.store(o_row + t64, out.to(out_ptr.dtype.element_ty), mask=om)
     if LOCAL:
         store_states(hloc_ptr + (range_row + rng * range_step) * (NS * NI) + first_n, 1, n_left,
                      h, NI, row_ok)  # fmt: skip
@@ -217,7 +233,7 @@ def _scan_fwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, VARLEN: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
     ACC: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr, LOCAL: tl.constexpr,
-    PRE: tl.constexpr, WIDE: tl.constexpr, ALIGN: tl.constexpr,
+    PRE: tl.constexpr, EPI: tl.constexpr, WIDE: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
     # The body's loads and stores of T-step tiles are 16-byte vectors only where Triton
     # knows that row offsets and range bounds are multiples of T; otherwise it lays the time
@@ -239,7 +255,7 @@ def _scan_fwd_kernel(
             B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn, s_D, s_bias, s_hb,
             s_hd, s_hn, s_ob, s_od, s_kb, s_kd, s_kc, s_lb, s_ld, DSTATE, NS, NI, BD, T, CKPT,
             HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_H0, VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES,
-            LOCAL, PRE, WIDE, True,
+            LOCAL, PRE, EPI, WIDE, True,
         )  # fmt: skip
     else:
         _scan_fwd_body(
@@ -249,5 +265,5 @@ def _scan_fwd_kernel(
             B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn, s_D, s_bias, s_hb,
             s_hd, s_hn, s_ob, s_od, s_kb, s_kd, s_kc, s_lb, s_ld, DSTATE, NS, NI, BD, T, CKPT,
             HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_H0, VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES,
-            LOCAL, PRE, WIDE, False,
+            LOCAL, PRE, EPI, WIDE, False,
         )  # fmt: skip
