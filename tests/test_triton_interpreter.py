@@ -375,7 +375,7 @@ def test_forward_lanes():
     assert lanes(1, 1536, ShapeEnv().create_unbacked_symint()) == 4
 
 
-def test_forward_pre_pass():
+def test_forward_pre_pass_and_epilogue():
     """Delta's PRE pass only for launches of few warps in one range (S6, small calls), not for
     fuller ones (S1, S5, S7), cut sequences, or symbolic sizes; the epilogue in the loop's
     layout (EPI) with 2-lane tiles only."""

@@ -23,7 +23,7 @@ and softplus for its rows to a scratch, PRE steps at a time, and the tile loop r
 The output's epilogue (D u, the gate silu(z), the store) takes y summed over a channel's lanes.
 By default it runs in the layout Triton gives [BD, 1, T] tiles (the steps spread over the
 lanes), which it reaches from the sum's through shared memory: on S6 the lane sum, that
-conversion and the epilogue took 40% of the tile loop's stall samples (ncu, session 14). With
+conversion and the epilogue took 42% of the tile loop's stall samples (ncu, session 14). With
 EPI every lane runs the epilogue on all T steps in the loop's own layout and lane 0 stores.
 
 Steps outside [start, end) of the sequence (the head of the first tile, the tail of the last)
