@@ -188,22 +188,18 @@ def _scan_fwd_body(
                 y += hs * c_i
         if not LOCAL:
             out = tl.sum(y, axis=1)[:, None, :]
-            o_row = out_row
-            om = m
-            if HAS_Z:
-                zb = z_row
+            spread = 0  # added to the rows' pointers
+            store_ok = m
             if EPI:  # [BD, NS, T] pointers and values: the loop's layout, no conversion
                 out += tl.zeros([BD, NS, T], ACC)
-                o_row = out_row + lane * 0
-                om = m & (lane == 0)
-                if HAS_Z:
-                    zb = z_row + lane * 0
+                spread = lane * 0
+                store_ok = m & (lane == 0)
             if HAS_D:
                 out += Dv * uu
             if HAS_Z:
-                zz = time_tile(zb, t64, s_zt, m, lm, ACC, WHOLE)
+                zz = time_tile(z_row + spread, t64, s_zt, m, lm, ACC, WHOLE)
                 out *= zz * sigmoid(zz, FAST)
-            tl.store(o_row + t64, out.to(out_ptr.dtype.element_ty), mask=om)
+            tl.store(out_row + spread + t64, out.to(out_ptr.dtype.element_ty), mask=store_ok)
     if LOCAL:
         store_states(hloc_ptr + (range_row + rng * range_step) * (NS * NI) + first_n, 1, n_left,
                      h, NI, row_ok)  # fmt: skip
