@@ -1,8 +1,9 @@
 """selective-scan: Mamba's selective scan as a first-class PyTorch operator.
 
 mamba_ssm-compatible entry points: selective_scan_fn, selective_scan_ref, mamba_inner_fn,
-selective_state_update, the Mamba layer and a small LM; causal_conv1d_fn/update with the
-causal-conv1d package's signatures (and causal_conv1d_varlen_fn for packed sequences).
+selective_state_update and the Mamba layer (the README lists what differs); a small LM with
+mamba_ssm's parameter names; causal_conv1d_fn/update with the causal-conv1d package's
+signatures (and causal_conv1d_varlen_fn for packed sequences).
 ``selective_scan.hf.patch_transformers()`` routes Hugging
 Face transformers' Mamba fast path to these functions.
 """
