@@ -331,3 +331,25 @@ def test_good_input_passes(backend, fn):
         out, last = fn(**inputs, delta_softplus=True, return_last_state=True)
         assert torch.isfinite(out).all()
         assert torch.isfinite(last).all()
+
+
+FLAGS = [("delta_softplus", "no"), ("delta_softplus", None), ("return_last_state", 1)]
+
+
+@pytest.mark.parametrize("fn", [selective_scan_fn, selective_scan_ref], ids=["fn", "ref"])
+@pytest.mark.parametrize(("flag", "value"), FLAGS)
+def test_flags_must_be_bools(fn, flag, value):
+    """A flag taken by its truth value would turn softplus on for delta_softplus="no"."""
+    with pytest.raises(TypeError, match=rf"{flag} must be a bool, got {type(value).__name__}"):
+        fn(**batched(), **{flag: value})
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch, device):
+    """Forcing Triton on tensors it cannot run on says so, instead of failing inside Triton."""
+    monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batched().items()}
+    match = rf"triton runs on CUDA tensors.*got tensors on {device}"
+    with pytest.raises(RuntimeError, match=match):
+        selective_scan_fn(**inputs)

@@ -126,21 +126,52 @@ def test_level_1_recomputes_the_conv_but_not_the_scan(checkpoint_lvl, recomputed
     assert backward_ops.counts["selective_scan.scan_bwd"] == 1
 
 
+def _rows(n):
+    return torch.randn(n, D_INNER)
+
+
 @pytest.mark.parametrize(
-    ("changes", "match"),
+    ("changes", "error", "match"),
     [
-        (dict(checkpoint_lvl=2), r"checkpoint_lvl must be 0 or 1, got 2"),
-        (dict(A=torch.randn(D_INNER, DSTATE, dtype=torch.complex64)), r"complex A"),
-        (dict(B=torch.randn(D_INNER, DSTATE), b_rms_weight=torch.ones(DSTATE)), r"needs B=None"),
-        (dict(xz=torch.randn(2, 2 * D_INNER + 1, 21)), r"xz must have shape"),
-        (dict(conv1d_weight=torch.randn(D_INNER, WIDTH)), r"conv1d_weight must have 3 dim"),
-        (dict(conv1d_weight=torch.randn(D_INNER, 2, WIDTH)), r"conv1d_weight must have shape"),
-        (dict(conv1d_bias=torch.randn(D_INNER + 1)), r"conv1d_bias must have shape \(d_inner,\)"),
+        (dict(checkpoint_lvl=2), ValueError, r"checkpoint_lvl must be 0 or 1, got 2"),
+        (dict(checkpoint_lvl=True), ValueError, r"checkpoint_lvl must be 0 or 1, got True"),
+        (dict(delta_softplus="no"), TypeError, r"delta_softplus must be a bool, got str"),
+        (dict(A=torch.randn(D_INNER, DSTATE, dtype=torch.complex64)), ValueError, r"complex A"),
+        (dict(A=None), TypeError, r"A must be a torch\.Tensor"),
+        (dict(B=torch.randn(D_INNER, DSTATE), b_rms_weight=torch.ones(DSTATE)), ValueError,
+         r"needs B=None"),
+        (dict(xz=torch.randn(2, 2 * D_INNER + 1, 21)), ValueError, r"xz must have shape"),
+        (dict(xz=torch.randn(2, 2 * D_INNER, 0)), ValueError, r"xz must be non-empty"),
+        (dict(conv1d_weight=torch.randn(D_INNER, WIDTH)), ValueError,
+         r"conv1d_weight must have 3 dim"),
+        (dict(conv1d_weight=torch.randn(D_INNER, 2, WIDTH)), ValueError,
+         r"conv1d_weight must have shape"),
+        (dict(conv1d_weight=torch.randn(D_INNER, 1, WIDTH, device="meta")), ValueError,
+         r"conv1d_weight is on meta but xz is on cpu"),
+        (dict(conv1d_bias=torch.randn(D_INNER + 1)), ValueError,
+         r"conv1d_bias must have shape \(d_inner,\)"),
+        # B and C would read each other's columns, or columns past them, without an error.
+        (dict(x_proj_weight=_rows(RANK + DSTATE)), ValueError,
+         rf"x_proj_weight must have shape .* = \({RANK + 2 * DSTATE}, {D_INNER}\)"),
+        (dict(x_proj_weight=_rows(RANK + 2 * DSTATE + 1)), ValueError, r"x_proj_weight must have"),
+        (dict(delta_proj_weight=torch.randn(D_INNER, RANK + 1)), ValueError,
+         r"x_proj_weight must have shape"),
+        (dict(delta_proj_weight=torch.randn(D_INNER + 1, RANK)), ValueError,
+         r"delta_proj_weight must have shape \(d_inner, rank\)"),
+        # Broadcasting would hide these.
+        (dict(out_proj_weight=torch.randn(D_INNER)), ValueError,
+         r"out_proj_weight must have 2 dim"),
+        (dict(out_proj_bias=torch.randn(1)), ValueError, r"out_proj_bias must have shape"),
+        (dict(B_proj_bias=torch.randn(1)), ValueError, r"B_proj_bias must have shape \(dstate,\)"),
+        (dict(b_rms_weight=torch.randn(1)), ValueError, r"b_rms_weight must have shape"),
+        (dict(dt_rms_weight=torch.randn(1)), ValueError, r"dt_rms_weight must have shape"),
+        (dict(out_proj_weight=torch.randn(D_MODEL, D_INNER, dtype=torch.float64)), TypeError,
+         r"out_proj_weight must have xz's dtype"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
-)
-def test_bad_arguments_name_the_argument(changes, match):
-    with pytest.raises(ValueError, match=match):
+)  # fmt: skip
+def test_bad_arguments_name_the_argument(changes, error, match):
+    with pytest.raises(error, match=match):
         mamba_inner_fn(**make_inputs() | changes)
 
 

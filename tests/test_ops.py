@@ -139,3 +139,33 @@ def test_outputs_do_not_alias(kwargs, softplus):
         outputs = storages(op(*args))
         assert len(set(outputs)) == len(outputs), f"{op}: outputs share memory"
         assert not set(outputs) & set(storages(args)), f"{op}: an output shares an input's memory"
+
+
+def _swap(position: int, make):
+    """bwd_args with argument ``position`` (0 dout, 1 dlast_state, 12 checkpoints) replaced."""
+
+    def bad(args: tuple) -> tuple:
+        return (*args[:position], make(args[position]), *args[position + 1 :])
+
+    return bad
+
+
+BAD_GRADS = [
+    (_swap(0, lambda t: t[:, :-1]), r"dout must have shape \(batch, dim, seqlen\)"),
+    (_swap(0, lambda t: t.to("meta")), r"dout is on meta but u is on cpu"),
+    (_swap(1, lambda t: t[:1]), r"dlast_state must have shape \(batch, dim, dstate\)"),
+    # A batch-1 checkpoint tensor would be broadcast over the batch.
+    (_swap(12, lambda t: t[:1]), r"checkpoints must have shape .* as the forward returned"),
+    (_swap(12, lambda t: t[:, :, :1]), r"checkpoints must have shape"),
+    (_swap(12, lambda t: t.double()), r"checkpoints must have dtype in \(float32\)"),
+]
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+@pytest.mark.parametrize(("change", "match"), BAD_GRADS)
+def test_backward_checks_its_own_inputs(change, match, fake):
+    """dout, dlast_state and checkpoints are checked like the forward's inputs, by the real
+    implementation and the fake alike (autograd passes them right; a direct call may not)."""
+    args = change(bwd_args(inputs_for(dict(seqlen=70)), True))
+    with pytest.raises((ValueError, TypeError), match=match):
+        run_fake(BWD, args) if fake else BWD(*args)

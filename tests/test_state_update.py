@@ -420,13 +420,31 @@ BAD = [
     ("heads:C", lambda i: i["C"][:, 0], ValueError, "same number of groups"),
     ("heads:D", lambda i: i["D"][0], ValueError, r"D must have shape \(nheads, dim\)"),
     ("heads:B", lambda i: i["B"][:, 0, :-1], ValueError, r"B must have shape \(batch, dstate\)"),
+    ("heads:B", lambda i: i["B"][:, :0], ValueError, "B must have at least one group"),
+    # Written in place: rows of a broadcast state would be one memory location.
+    ("state", lambda i: i["state"][:1].expand_as(i["state"]), ValueError, "must not share memory"),
+    ("dt_softplus", lambda i: "no", TypeError, "dt_softplus must be a bool, got str"),
 ]
 
 
 @pytest.mark.parametrize(("name", "value", "error", "match"), BAD)
 def test_bad_input(backend, name, value, error, match):
     with pytest.raises(error, match=match):
-        selective_state_update(**_bad(name, value), dt_softplus=True)
+        selective_state_update(**{"dt_softplus": True} | _bad(name, value))
+
+
+def test_leaf_state_requiring_grad_is_not_written(backend):
+    """As for torch's own in-place ops: a leaf that requires grad may not be written in place
+    under grad mode (it may under no_grad)."""
+    inputs = step_inputs()
+    state = inputs["state"].requires_grad_()
+    before = state.detach().clone()
+    with pytest.raises(RuntimeError, match="state is a leaf tensor that requires grad"):
+        selective_state_update(**inputs)
+    assert torch.equal(state.detach(), before)
+    with torch.no_grad():
+        selective_state_update(**inputs)
+    assert not torch.equal(state.detach(), before)
 
 
 @pytest.mark.skipif(not TRITON_RUNS, reason="needs triton (a GPU or the interpreter)")

@@ -18,7 +18,7 @@ from helpers import SCAN_INPUTS, float_inputs, make_inputs, oracle, rel_err
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from selective_scan import selective_scan_fn
+from selective_scan import ops, selective_scan_fn
 from selective_scan.kernels import offline, scan
 from selective_scan.kernels.bc_blocks import _bc_blocks_kernel
 from selective_scan.kernels.scan import new_rows
@@ -527,3 +527,45 @@ def test_range_entries_launchers_keyed_by_dlast(monkeypatch):
         scan.scan_bwd(dout, dlast, *tensors, checkpoints=ckpt, delta_softplus=True)
     entries = [key for kernel, key in keys if kernel is _range_entries_kernel]
     assert len(entries) == 3 and len(set(entries)) == 3
+
+
+def test_strided_cu_seqlens(monkeypatch):
+    """cu_seqlens as a strided view (every other element of a longer tensor) gives what the
+    dense one gives, forward and backward: the kernels read it as a dense array."""
+    monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", "triton")
+    inputs = make_inputs(batch=1, seqlen=40, cu_seqlens=[0, 9, 25, 40], initial_state=True)
+    cu = inputs["cu_seqlens"]
+    strided = torch.stack([cu, torch.full_like(cu, 7)], dim=1)[:, 0]
+    assert strided.stride() == (2,)
+    results = []
+    for cu_seqlens in (cu, strided):
+        leaves = {k: v.detach().requires_grad_(v.is_floating_point()) for k, v in inputs.items()
+                  if isinstance(v, torch.Tensor)}  # fmt: skip
+        out, last = selective_scan_fn(**leaves | {"cu_seqlens": cu_seqlens}, delta_softplus=True,
+                                      return_last_state=True)  # fmt: skip
+        (out.sum() + last.sum()).backward()
+        grads = [t.grad for t in leaves.values() if t.requires_grad]
+        results.append([out, last, *grads])
+    for dense, strided_result in zip(*results, strict=True):
+        assert torch.equal(dense, strided_result)
+
+
+@pytest.mark.parametrize(
+    ("position", "change", "match"),
+    [
+        (0, lambda t: t[:, :-1], r"dout must have shape"),
+        (12, lambda t: t[:1], r"checkpoints must have shape .* as the forward returned"),
+    ],
+    ids=["dout", "checkpoints"],
+)
+def test_triton_backward_checks_its_own_inputs(position, change, match):
+    """The Triton backward op checks dout and checkpoints (a batch-1 checkpoint tensor would
+    otherwise be read as every row's)."""
+    fwd, bwd = ops.triton_ops()
+    inputs = make_inputs(seqlen=40)
+    tensors = [inputs[k] for k in SCAN_INPUTS]
+    out, last, checkpoints = fwd(*tensors, True)
+    args = [torch.randn_like(out), torch.randn_like(last), *tensors, checkpoints, True]
+    args[position] = change(args[position])
+    with pytest.raises(ValueError, match=match):
+        bwd(*args)

@@ -45,8 +45,10 @@ def check_tensor(
     ranks: tuple[int, ...],
     dtypes: tuple[torch.dtype, ...] = _FLOAT_DTYPES,
     device: torch.device | None = None,
+    ref: str = "u",
 ) -> None:
-    """Check that ``t`` is a Tensor of one of ``ranks`` and ``dtypes`` on ``device``."""
+    """Check that ``t`` is a Tensor of one of ``ranks`` and ``dtypes`` on ``device``, the
+    device of the argument named ``ref``."""
     if not isinstance(t, Tensor):
         raise TypeError(f"selective_scan: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() not in ranks:
@@ -62,9 +64,15 @@ def check_tensor(
         )
     if device is not None and t.device != device:
         raise ValueError(
-            f"selective_scan: {name} is on {t.device} but u is on {device}; "
+            f"selective_scan: {name} is on {t.device} but {ref} is on {device}; "
             "all tensors must be on the same device"
         )
+
+
+def check_flag(fn: str, name: str, value: object) -> None:
+    """A flag must be a bool: a string, None or a tensor would be taken by its truth value."""
+    if type(value) is not bool:
+        raise TypeError(f"{fn}: {name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def check_dims(name: str, t: Tensor, expected: tuple, labels: str) -> None:
@@ -166,6 +174,35 @@ def check_scan_inputs(
         check_tensor("initial_state", initial_state, (3,), device=device)
         labels = "(num_seqs, dim, dstate)" if cu_seqlens is not None else "(batch, dim, dstate)"
         check_dims("initial_state", initial_state, (num_states, dim, dstate), labels)
+
+
+def check_scan_grads(
+    dout: Tensor,
+    dlast_state: Tensor | None,
+    checkpoints: Tensor,
+    u: Tensor,
+    A: Tensor,
+    cu_seqlens: Tensor | None,
+    interval: int,
+    cdt: torch.dtype,
+) -> None:
+    """The backward's own inputs, after check_scan_inputs of the forward's: dout like out,
+    dlast_state like last_state, and checkpoints as the same backend's forward returned them
+    (a state every ``interval`` steps, in the compute dtype ``cdt``)."""
+    device = u.device
+    batch, dim, seqlen = u.shape
+    dstate = A.shape[1]
+    check_tensor("dout", dout, (3,), device=device)
+    check_dims("dout", dout, (batch, dim, seqlen), "(batch, dim, seqlen)")
+    if dlast_state is not None:
+        num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        check_tensor("dlast_state", dlast_state, (3,), device=device)
+        labels = "(num_seqs, dim, dstate)" if cu_seqlens is not None else "(batch, dim, dstate)"
+        check_dims("dlast_state", dlast_state, (num_states, dim, dstate), labels)
+    check_tensor("checkpoints", checkpoints, (4,), dtypes=(cdt,), device=device)
+    slots = checkpoint_slots(seqlen, interval)
+    labels = "(batch, dim, slots, dstate), as the forward returned them"
+    check_dims("checkpoints", checkpoints, (batch, dim, slots, dstate), labels)
 
 
 def check_cu_seqlens_values(cu_seqlens: Tensor, seqlen: int) -> list[int]:

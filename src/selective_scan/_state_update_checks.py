@@ -108,7 +108,16 @@ def check_state_update_inputs(
         if not (fast and t.dtype in _FLOATS and t.device == device):
             _check(name, t, want, heads, device)
         float64 = float64 or t.dtype == torch.float64
+    if real and any(n > 1 and s == 0 for n, s in zip(state.shape, state.stride(), strict=True)):
+        raise ValueError(
+            f"selective_state_update: state is written in place, so its elements must not share "
+            f"memory; got a broadcast view (shape {_shape(state)}, strides {state.stride()})"
+        )
     ngroups = groups(B)
+    check_size(
+        ngroups >= 1,
+        lambda: f"selective_state_update: B must have at least one group, got {_shape(B)}",
+    )
     check_size(
         nheads % ngroups == 0,
         lambda: (

@@ -24,7 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_cu_seqlens_values, check_scan_inputs, checkpoint_slots, compute_dtype
+from ._checks import (
+    check_cu_seqlens_values,
+    check_scan_grads,
+    check_scan_inputs,
+    checkpoint_slots,
+    compute_dtype,
+)
 
 # Time steps per chunk: the checkpoint interval of this backend (ops.py sizes the fake's
 # checkpoints from it), and the block length for layer-sized steps. Of 8, 16, 32, 64 and 128,
@@ -354,6 +360,7 @@ def scan_bwd(
     dtype and shape; the gradients of absent optional inputs are empty tensors."""
     p = _Problem(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus)
     batch, dim, dstate, cdt = p.batch, p.dim, p.dstate, p.cdt
+    check_scan_grads(dout, dlast_state, checkpoints, u, A, cu_seqlens, CHUNK, cdt)
     silu_z = _silu(z, cdt)
     # Gradient of y = C h + D u, as (batch, seqlen, dim) like the other per-step tensors.
     dy = _transpose(dout if z is None else dout * silu_z, cdt)

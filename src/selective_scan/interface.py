@@ -7,6 +7,7 @@ import os
 from torch import Tensor
 
 from . import ops
+from ._checks import check_flag
 
 _BACKENDS = ("auto", "triton", "torch")
 
@@ -25,7 +26,15 @@ def use_triton(u: Tensor) -> bool:
         )
     if backend == "auto":
         return isinstance(u, Tensor) and u.is_cuda and ops.HAS_TRITON
-    return backend == "triton"
+    if backend == "torch" or not isinstance(u, Tensor) or u.is_cuda:
+        return backend == "triton"  # a non-tensor fails the inputs' checks
+    if u.device.type != "cpu" or os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"selective_scan: SELECTIVE_SCAN_BACKEND=triton runs on CUDA tensors, or on CPU "
+            f"tensors with TRITON_INTERPRET=1 set before triton is imported; got tensors on "
+            f"{u.device}"
+        )
+    return True
 
 
 def scan_ops(u: Tensor):
@@ -68,6 +77,8 @@ def selective_scan_fn(
     ``initial_state[i]`` of shape (num_seqs, dim, dstate) when given) and last_state is
     (num_seqs, dim, dstate).
     """
+    check_flag("selective_scan_fn", "delta_softplus", delta_softplus)
+    check_flag("selective_scan_fn", "return_last_state", return_last_state)
     fwd, _ = scan_ops(u)
     out, last_state, _ = fwd(
         u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus

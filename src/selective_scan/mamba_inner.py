@@ -25,7 +25,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from ._checks import check_shape, check_tensor
+from ._checks import _shape, check_flag, check_shape, check_tensor
 from .conv import causal_conv1d_fn
 from .interface import selective_scan_fn
 
@@ -83,27 +83,68 @@ def _conv_and_scan(
     )
 
 
-def _check_inner_inputs(xz, conv1d_weight, conv1d_bias, A, B, C, rms_weights, checkpoint_lvl):
-    """What the later ops would reject with less clear messages; the scan checks the rest."""
+def _check_inner_inputs(
+    xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
+    out_proj_bias, A, B, C, B_proj_bias, C_proj_bias, rms_weights, delta_softplus, checkpoint_lvl,
+):  # fmt: skip
+    """What the later ops would reject with less clear messages, or not at all (a projection
+    with too many rows, a broadcast bias); the scan checks B, C, D and delta_bias."""
     fn = "mamba_inner_fn"
     check_tensor("xz", xz, (3,))
     d_inner = xz.shape[1] // 2
     check_shape(fn, "xz", xz, (None, 2 * d_inner, None), "(batch, 2 * d_inner, seqlen)")
-    check_tensor("conv1d_weight", conv1d_weight, (3,))
-    check_shape(fn, "conv1d_weight", conv1d_weight, (d_inner, 1, None), "(d_inner, 1, width)")
-    if conv1d_bias is not None:
-        check_tensor("conv1d_bias", conv1d_bias, (1,))
-        check_shape(fn, "conv1d_bias", conv1d_bias, (d_inner,), "(d_inner,)")
-    if A.is_complex():
-        raise ValueError("mamba_inner_fn: complex A is not supported (A must be real)")
-    if checkpoint_lvl not in (0, 1):
-        raise ValueError(f"mamba_inner_fn: checkpoint_lvl must be 0 or 1, got {checkpoint_lvl!r}")
-    for name, given, weight in (("B", B, rms_weights[0]), ("C", C, rms_weights[1])):
+    if min(xz.shape) < 1:
+        raise ValueError(
+            f"{fn}: xz must be non-empty (batch, 2 * d_inner, seqlen), got {_shape(xz)}"
+        )
+    if isinstance(A, Tensor) and A.is_complex():
+        raise ValueError(f"{fn}: complex A is not supported (A must be real)")
+    device = xz.device
+    check_tensor("A", A, (2,), device=device, ref="xz")
+    dstate = A.shape[1]
+    check_tensor("delta_proj_weight", delta_proj_weight, (2,), device=device, ref="xz")
+    rank = delta_proj_weight.shape[1]
+    check_shape(fn, "delta_proj_weight", delta_proj_weight, (d_inner, None), "(d_inner, rank)")
+    rows = rank + (dstate if B is None else 0) + (dstate if C is None else 0)
+    b_rms, c_rms, dt_rms = rms_weights
+    for name, given, weight in (("B", B, b_rms), ("C", C, c_rms)):
         if given is not None and weight is not None:
             raise ValueError(
-                f"mamba_inner_fn: {name.lower()}_rms_weight normalizes the {name} computed from "
+                f"{fn}: {name.lower()}_rms_weight normalizes the {name} computed from "
                 f"x_proj; it needs {name}=None"
             )
+    weights = (
+        ("conv1d_weight", conv1d_weight, (d_inner, 1, None), "(d_inner, 1, width)"),
+        ("conv1d_bias", conv1d_bias, (d_inner,), "(d_inner,)"),
+        ("x_proj_weight", x_proj_weight, (rows, d_inner),
+         "(rank + dstate [B from x_proj] + dstate [C from x_proj], d_inner)"),
+        ("out_proj_weight", out_proj_weight, (None, d_inner), "(d_model, d_inner)"),
+        ("B_proj_bias", B_proj_bias, (dstate,), "(dstate,)"),
+        ("C_proj_bias", C_proj_bias, (dstate,), "(dstate,)"),
+        ("b_rms_weight", b_rms, (dstate,), "(dstate,)"),
+        ("c_rms_weight", c_rms, (dstate,), "(dstate,)"),
+        ("dt_rms_weight", dt_rms, (d_inner,), "(d_inner,)"),
+    )  # fmt: skip
+    for name, t, expected, labels in weights:
+        if t is not None:
+            check_tensor(name, t, (len(expected),), device=device, ref="xz")
+            check_shape(fn, name, t, expected, labels)
+    if out_proj_bias is not None:
+        check_tensor("out_proj_bias", out_proj_bias, (1,), device=device, ref="xz")
+        check_shape(fn, "out_proj_bias", out_proj_bias, (out_proj_weight.shape[0],), "(d_model,)")
+    if not torch.is_autocast_enabled(device.type):  # autocast casts the convolution and linears
+        for name, t in (
+            ("conv1d_weight", conv1d_weight), ("conv1d_bias", conv1d_bias),
+            ("x_proj_weight", x_proj_weight), ("delta_proj_weight", delta_proj_weight),
+            ("out_proj_weight", out_proj_weight), ("out_proj_bias", out_proj_bias),
+        ):  # fmt: skip
+            if t is not None and t.dtype != xz.dtype:
+                raise TypeError(
+                    f"{fn}: {name} must have xz's dtype {xz.dtype} outside autocast, got {t.dtype}"
+                )
+    check_flag(fn, "delta_softplus", delta_softplus)
+    if type(checkpoint_lvl) is not int or checkpoint_lvl not in (0, 1):
+        raise ValueError(f"{fn}: checkpoint_lvl must be 0 or 1, got {checkpoint_lvl!r}")
 
 
 def mamba_inner_fn(
@@ -147,7 +188,11 @@ def mamba_inner_fn(
     them (the scan is not rerun); 0 keeps them. Gradients are the same either way.
     """
     rms_weights = (b_rms_weight, c_rms_weight, dt_rms_weight)
-    _check_inner_inputs(xz, conv1d_weight, conv1d_bias, A, B, C, rms_weights, checkpoint_lvl)
+    _check_inner_inputs(
+        xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
+        out_proj_bias, A, B, C, B_proj_bias, C_proj_bias, rms_weights, delta_softplus,
+        checkpoint_lvl,
+    )  # fmt: skip
     x, z = xz.chunk(2, dim=1)
     args = (
         x, z, conv1d_weight[:, 0], conv1d_bias, x_proj_weight, delta_proj_weight, A, B, C, D,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu
-from ._checks import check_scan_inputs, checkpoint_slots, compute_dtype
+from ._checks import check_scan_grads, check_scan_inputs, checkpoint_slots, compute_dtype
 
 
 def fwd_fake(chunk: int):
@@ -48,7 +48,10 @@ def bwd_fake(
     dout, dlast_state, u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens,
     checkpoints, delta_softplus,
 ):  # fmt: skip
+    """Fake backward of the PyTorch family (checkpoints every cpu.CHUNK steps)."""
     check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
+    cdt = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    check_scan_grads(dout, dlast_state, checkpoints, u, A, cu_seqlens, cpu.CHUNK, cdt)
     return tuple(
         u.new_empty((0,)) if t is None else t.new_empty(t.shape)
         for t in (u, delta, A, B, C, D, z, delta_bias, initial_state)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_cu_seqlens_values, check_scan_inputs, compute_dtype
+from ._checks import check_cu_seqlens_values, check_flag, check_scan_inputs, compute_dtype
 
 
 def expand_bc(t: Tensor, batch: int, dim: int, seqlen: int) -> Tensor:
@@ -63,6 +63,8 @@ def selective_scan_ref(
     Differentiable by autograd through every input.
     """
     check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
+    check_flag("selective_scan_ref", "delta_softplus", delta_softplus)
+    check_flag("selective_scan_ref", "return_last_state", return_last_state)
     cdt = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     batch, dim, seqlen = u.shape
     dstate = A.shape[1]

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._checks import check_flag
 from ._state_update_checks import as_heads, check_state_update_inputs
 from .interface import use_triton
 from .kernels.launch import PLAIN_TYPES, intercepted
@@ -135,6 +136,13 @@ def selective_state_update(
     counter (and the Triton one reuses the launch plan of earlier calls of the same layout);
     under torch.compile, torch.export and any mode or transform, the op is called.
     """
+    check_flag("selective_state_update", "dt_softplus", dt_softplus)
+    grad = isinstance(state, Tensor) and state.requires_grad and torch.is_grad_enabled()
+    if grad and state.is_leaf:
+        raise RuntimeError(
+            "selective_state_update: state is a leaf tensor that requires grad, and the step "
+            "writes into it; pass state.detach(), or call it under torch.no_grad()"
+        )
     args = (state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
     op, implementation = _backend(state)
     if _plain_eager(args[:-1]):

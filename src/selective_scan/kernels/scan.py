@@ -27,7 +27,13 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.symbolic_shapes import guard_int
 from torch.library import wrap_triton
 
-from .._checks import check_cu_seqlens_values, check_scan_inputs, checkpoint_slots, compute_dtype
+from .._checks import (
+    check_cu_seqlens_values,
+    check_scan_grads,
+    check_scan_inputs,
+    checkpoint_slots,
+    compute_dtype,
+)
 from .bc_blocks import _bc_blocks_kernel
 from .launch import Launcher, is_plain_eager
 from .range_entries import _range_entries_kernel
@@ -395,6 +401,8 @@ class _Plan:
             staged(t, self) if copy else t
             for t, copy in zip((u, delta, z), self.copied, strict=True)
         )
+        if cu_seqlens is not None:  # the kernels read it as a dense array
+            cu_seqlens = cu_seqlens.contiguous()
         return u, delta, A, Bb, Cb, D, z, delta_bias, initial_state, cu_seqlens
 
     def launches(self):
@@ -658,6 +666,7 @@ def scan_bwd(
     inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
     p = plan(bwd_config, *inputs)
     batch, dim, dstate, cdt, NP = p.batch, p.dim, p.dstate, p.cdt, p.NP
+    check_scan_grads(dout, dlast_state, checkpoints, u, A, cu_seqlens, CKPT, cdt)
     programs = p.num_states * p.n_ranges  # partial sums are per (sequence, range)
 
     T = p.cfg["T"]
