@@ -40,7 +40,7 @@ def mamba_ssm_state(bias: bool, conv_bias: bool) -> dict:
 
 def make_layer(seed: int = 0, **options) -> Mamba:
     torch.manual_seed(seed)
-    return Mamba(D_MODEL, d_state=D_STATE, **options)
+    return Mamba(D_MODEL, **{"d_state": D_STATE} | options)
 
 
 def hidden(batch: int = 2, seqlen: int = 13, seed: int = 1) -> torch.Tensor:
@@ -88,9 +88,42 @@ def test_initialization_follows_mamba_ssm():
     assert torch.equal(constant, torch.full_like(constant, 2.0 * std))
 
 
-def test_bad_dt_init_is_rejected():
-    with pytest.raises(ValueError, match="dt_init must be 'random' or 'constant'"):
-        make_layer(dt_init="xavier")
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        (dict(dt_init="xavier"), "dt_init must be 'random' or 'constant'"),
+        (dict(d_state=0), "d_state must be a positive integer, got 0"),
+        (dict(dt_rank=0), "dt_rank must be a positive integer, got 0"),
+        (dict(expand=0), r"d_inner = expand \* d_model must be a positive integer, got 0"),
+    ],
+)
+def test_bad_constructor_arguments_are_rejected(options, match):
+    with pytest.raises(ValueError, match=match):
+        make_layer(**options)
+
+
+@pytest.mark.parametrize("use_fast_path", [True, False], ids=["fast", "slow"])
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        (lambda h: h[0], ValueError, "hidden_states must have 3 dimensions"),
+        (lambda h: h[..., :-1], ValueError, r"hidden_states must have shape \(batch, seqlen, d_m"),
+        (lambda h: h.double(), TypeError, "hidden_states must have the layer's dtype"),
+        (lambda h: h.to("meta"), ValueError, "hidden_states is on meta but the layer is on cpu"),
+    ],
+)
+def test_bad_hidden_states_are_named(use_fast_path, change, error, match):
+    """Both paths check hidden_states before the projections, whose own errors name no
+    argument (a wrong d_model: "mat1 and mat2 shapes cannot be multiplied")."""
+    with pytest.raises(error, match=match):
+        make_layer(use_fast_path=use_fast_path)(change(hidden()))
+
+
+def test_step_checks_ssm_state():
+    layer = make_layer()
+    conv_state, ssm_state = layer.allocate_inference_cache(2, 2)
+    with pytest.raises(ValueError, match=r"ssm_state must have shape \(batch, d_inner, d_state\)"):
+        layer.step(hidden(seqlen=1), conv_state, ssm_state[..., :-1])
 
 
 def outputs_and_grads(layer: Mamba, x: torch.Tensor):
@@ -149,7 +182,7 @@ def test_inference_params_prefill_then_decode():
 
 def test_step_rejects_more_than_one_token():
     layer = make_layer()
-    with pytest.raises(ValueError, match=r"one token, \(batch, 1, d_model\)"):
+    with pytest.raises(ValueError, match=r"hidden_states must have shape \(batch, 1, d_model\)"):
         layer.step(hidden(seqlen=2), *layer.allocate_inference_cache(2, 2))
 
 

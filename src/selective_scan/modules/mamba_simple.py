@@ -61,12 +61,18 @@ class Mamba(nn.Module):
     ):
         factory_kwargs = {"device": device, "dtype": dtype}
         super().__init__()
+        rank = math.ceil(d_model / 16) if dt_rank == "auto" and d_model >= 1 else dt_rank
+        for name, value in (("d_model", d_model), ("d_state", d_state), ("d_conv", d_conv),
+                            ("d_inner = expand * d_model", int(expand * d_model)),
+                            ("dt_rank", rank)):  # fmt: skip
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Mamba: {name} must be a positive integer, got {value!r}")
         self.d_model = d_model
         self.d_state = d_state
         self.d_conv = d_conv
         self.expand = expand
         self.d_inner = int(expand * d_model)
-        self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else dt_rank
+        self.dt_rank = rank
         self.use_fast_path = use_fast_path
         self.layer_idx = layer_idx
         self.activation = "silu"
@@ -135,6 +141,7 @@ class Mamba(nn.Module):
         row's or sequence's last token in allocate_inference_cache's dtypes. Gradients flow
         into initial_states and out of the final states.
         """
+        self._check_hidden_states("Mamba.forward", hidden_states, seqlen=None)
         if inference_params is not None:
             if cu_seqlens is not None or initial_states is not None or return_final_states:
                 raise ValueError(
@@ -147,6 +154,20 @@ class Mamba(nn.Module):
             return self._fast_forward(hidden_states)
         out, final_states = self._forward_with_states(hidden_states, cu_seqlens, initial_states)
         return (out, final_states) if return_final_states else out
+
+    def _check_hidden_states(self, fn: str, hidden_states: Tensor, seqlen: int | None) -> None:
+        """(batch, seqlen, d_model) on the layer's device, in its dtype outside autocast (the
+        projections would fail with torch's own messages)."""
+        weight = self.in_proj.weight
+        check_tensor("hidden_states", hidden_states, (3,), device=weight.device, ref="the layer")
+        labels = "(batch, seqlen, d_model)" if seqlen is None else "(batch, 1, d_model)"
+        check_shape(fn, "hidden_states", hidden_states, (None, seqlen, self.d_model), labels)
+        autocast = torch.is_autocast_enabled(hidden_states.device.type)
+        if hidden_states.dtype != weight.dtype and not autocast:
+            raise TypeError(
+                f"{fn}: hidden_states must have the layer's dtype {weight.dtype} outside "
+                f"autocast, got {hidden_states.dtype}"
+            )
 
     def _fast_forward(self, hidden_states: Tensor) -> Tensor:
         """One mamba_inner_fn call, which recomputes the conv in the backward (no states)."""
@@ -282,11 +303,11 @@ class Mamba(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Advance one token: hidden_states (batch, 1, d_model) -> (out (batch, 1, d_model),
         conv_state, ssm_state), the states updated in place."""
-        if hidden_states.shape[1] != 1:
-            raise ValueError(
-                "Mamba.step: hidden_states must be one token, (batch, 1, d_model); got "
-                f"{tuple(hidden_states.shape)}"
-            )
+        fn = "Mamba.step"
+        self._check_hidden_states(fn, hidden_states, seqlen=1)
+        check_tensor("ssm_state", ssm_state, (3,), device=hidden_states.device, ref="hidden_states")
+        rows = (hidden_states.shape[0], self.d_inner, self.d_state)
+        check_shape(fn, "ssm_state", ssm_state, rows, "(batch, d_inner, d_state)")
         x, z = self.in_proj(hidden_states[:, 0]).chunk(2, dim=-1)  # (batch, d_inner) each
         x = causal_conv1d_update(
             x, conv_state, self._conv_weight(), self.conv1d.bias, self.activation
