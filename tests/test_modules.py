@@ -110,6 +110,7 @@ def test_bad_constructor_arguments_are_rejected(options, match):
         (lambda h: h[..., :-1], ValueError, r"hidden_states must have shape \(batch, seqlen, d_m"),
         (lambda h: h.double(), TypeError, "hidden_states must have the layer's dtype"),
         (lambda h: h.to("meta"), ValueError, "hidden_states is on meta but the layer is on cpu"),
+        (lambda h: h[:, :0], ValueError, r"hidden_states must be non-empty"),
     ],
 )
 def test_bad_hidden_states_are_named(use_fast_path, change, error, match):

@@ -28,6 +28,8 @@ def _check_conv_inputs(
     if activation not in _ACTIVATIONS:
         raise ValueError(f"{name}: activation must be one of {_ACTIVATIONS}, got {activation!r}")
     check_tensor("x", x, (3,))
+    if min(x.shape) < 1:
+        raise ValueError(f"{name}: x must be non-empty (batch, dim, seqlen), got {tuple(x.shape)}")
     dim = x.shape[1]
     check_tensor("weight", weight, (2,), device=x.device, ref="x")
     check_shape(name, "weight", weight, (dim, None), "(dim, width)")

@@ -162,6 +162,9 @@ class Mamba(nn.Module):
         check_tensor("hidden_states", hidden_states, (3,), device=weight.device, ref="the layer")
         labels = "(batch, seqlen, d_model)" if seqlen is None else "(batch, 1, d_model)"
         check_shape(fn, "hidden_states", hidden_states, (None, seqlen, self.d_model), labels)
+        if min(hidden_states.shape) < 1:
+            raise ValueError(f"{fn}: hidden_states must be non-empty {labels}, got "
+                             f"{tuple(hidden_states.shape)}")  # fmt: skip
         autocast = torch.is_autocast_enabled(hidden_states.device.type)
         if hidden_states.dtype != weight.dtype and not autocast:
             raise TypeError(
