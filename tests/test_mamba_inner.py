@@ -161,6 +161,7 @@ def _rows(n):
         # Broadcasting would hide these.
         (dict(out_proj_weight=torch.randn(D_INNER)), ValueError,
          r"out_proj_weight must have 2 dim"),
+        (dict(x_proj_weight=None), TypeError, r"x_proj_weight must be a torch\.Tensor"),
         (dict(out_proj_bias=torch.randn(1)), ValueError, r"out_proj_bias must have shape"),
         (dict(B_proj_bias=torch.randn(1)), ValueError, r"B_proj_bias must have shape \(dstate,\)"),
         (dict(b_rms_weight=torch.randn(1)), ValueError, r"b_rms_weight must have shape"),

@@ -16,8 +16,8 @@ def use_triton(u: Tensor) -> bool:
     """Whether the Triton kernels run for inputs like ``u``.
 
     SELECTIVE_SCAN_BACKEND=auto (default) picks Triton for CUDA tensors when triton is
-    installed; ``triton`` forces it (CPU tensors then need TRITON_INTERPRET=1); ``torch``
-    forces the chunked PyTorch implementation on every device.
+    installed; ``triton`` forces it (CPU tensors then need TRITON_INTERPRET=1, other devices
+    raise an error); ``torch`` forces the chunked PyTorch implementation on every device.
     """
     backend = os.environ.get("SELECTIVE_SCAN_BACKEND", "auto")
     if backend not in _BACKENDS:

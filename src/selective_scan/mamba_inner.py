@@ -125,8 +125,9 @@ def _check_inner_inputs(
         ("c_rms_weight", c_rms, (dstate,), "(dstate,)"),
         ("dt_rms_weight", dt_rms, (d_inner,), "(d_inner,)"),
     )  # fmt: skip
+    required = ("conv1d_weight", "x_proj_weight", "out_proj_weight")
     for name, t, expected, labels in weights:
-        if t is not None:
+        if t is not None or name in required:
             check_tensor(name, t, (len(expected),), device=device, ref="xz")
             check_shape(fn, name, t, expected, labels)
     if out_proj_bias is not None:
