@@ -21,6 +21,7 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from selective_scan import selective_scan_fn
+from selective_scan._state_update_checks import _LIFT
 from selective_scan.state_update import _backend, selective_state_update
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -394,6 +395,37 @@ def test_triton_kernel_takes_any_strides(monkeypatch):
     assert rel_err(strided["state"], expected_state) < 1e-5
 
 
+def mixed_forms(state_form: str) -> tuple[dict, dict]:
+    """(inputs in the heads form with nheads = 1, the same inputs with the state in
+    ``state_form`` and every other argument in the other form), as mamba_ssm accepts them."""
+    heads = step_inputs(nheads=1)
+    mixed = {}
+    for name, (_, axis) in zip(NAMES, _LIFT, strict=True):
+        keep = (name == "state") == (state_form == "heads")  # the state's form, or the other
+        mixed[name] = (heads[name] if keep else heads[name].squeeze(axis)).clone()
+    return heads, mixed
+
+
+@pytest.mark.parametrize("state_form", ["heads", "plain"])
+def test_mixed_forms_equal_one_form(backend, state_form):
+    """A plain-form argument next to a heads-form state of one head, and the reverse, give the
+    one-form call's state and out bitwise; out takes the state's form."""
+    heads, mixed = mixed_forms(state_form)
+    out = selective_state_update(**heads, dt_softplus=True)
+    mixed_out = selective_state_update(**mixed, dt_softplus=True)
+    assert mixed_out.shape == mixed["state"].shape[:-1]
+    assert torch.equal(mixed_out.reshape(out.shape), out)
+    assert torch.equal(mixed["state"].reshape(heads["state"].shape), heads["state"])
+
+
+@pytest.mark.skipif(not TRITON_RUNS, reason="needs triton (a GPU or the interpreter)")
+def test_triton_kernel_takes_mixed_forms(monkeypatch):
+    """The same on the Triton kernel, in CI too (the backend-parametrized test above runs the
+    Triton backend only on a GPU)."""
+    monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", "triton")
+    test_mixed_forms_equal_one_form("triton", "heads")
+
+
 # ---- input validation ------------------------------------------------------------------
 
 
@@ -406,11 +438,11 @@ def _bad(name: str, value) -> dict:
 BAD = [
     ("x", lambda i: i["x"][:, :-1], ValueError, r"x must have shape \(batch, dim\)"),
     ("dt", lambda i: i["dt"][:-1], ValueError, "dt must have shape"),
-    ("z", lambda i: i["z"][:, None], ValueError, r"z must have shape \(batch, dim\) for a st"),
+    ("z", lambda i: i["z"][:, None, None], ValueError, r"z must have shape \(batch, dim\) for a"),
     ("A", lambda i: i["A"][:, :-1], ValueError, r"A must have shape \(dim, dstate\)"),
     ("B", lambda i: i["B"][:, :-1], ValueError, r"B must have shape \(batch, dstate\)"),
     ("C", lambda i: i["C"].int(), TypeError, "C must have dtype"),
-    ("D", lambda i: i["D"][None], ValueError, r"D must have shape \(dim,\)"),
+    ("D", lambda i: i["D"][None, None], ValueError, r"D must have shape \(dim,\)"),
     ("dt_bias", lambda i: i["dt_bias"].to("meta"), ValueError, "dt_bias is on meta"),
     ("state", lambda i: i["state"][0], ValueError, "state must have 3 or 4 dimensions"),
     ("x", lambda i: None, TypeError, "x must be a torch.Tensor"),

@@ -8,6 +8,10 @@ Two forms, chosen by the rank of ``state``, as in mamba_ssm:
   A (nheads, dim, dstate); B, C (batch, ngroups, dstate) with ngroups dividing nheads, or
   (batch, dstate) for one group; D, dt_bias (nheads, dim).
 
+As in mamba_ssm, an argument may also come in the other form than the state where the axis the
+plain form lacks has size 1: with nheads = 1, or B and C with one group. out takes the state's
+form.
+
 Both implementations work on the heads form: a plain argument lacks one axis of it (``_LIFT``),
 which ``as_heads`` inserts as a view and ``heads_strides`` as a zero stride.
 
@@ -56,6 +60,19 @@ def _check(name: str, t: object, expected: tuple, heads: bool, device) -> None:
     check_dims(name, t, expected, labels)
 
 
+def _expected(t: object, shape: tuple, rank: int, axis: int, heads: bool) -> tuple:
+    """The shape argument t must have, given its heads-form ``shape`` (rank ``rank``) and the
+    axis its plain form lacks: the state's form, or, as in mamba_ssm, the other form where that
+    axis has size 1 (nheads = 1, or B and C with one group)."""
+    plain = shape[:axis] + shape[axis + 1 :]
+    if isinstance(t, Tensor):
+        if t.dim() == rank and not heads:  # a plain state has nheads = 1
+            return shape
+        if t.dim() == rank - 1 and heads and shape[axis] == 1:
+            return plain
+    return shape if heads else plain
+
+
 def groups(t: Tensor):
     """Groups of B or C in the heads form: (batch, ngroups, dstate) has ngroups, (batch,
     dstate) one."""
@@ -88,22 +105,19 @@ def check_state_update_inputs(
         )
 
     def bc(t: object) -> tuple:
-        if heads and isinstance(t, Tensor) and t.dim() == 3:
-            return (batch, t.shape[1], dstate)
-        return (batch, dstate)
+        return (batch, groups(t) if isinstance(t, Tensor) else 1, dstate)
 
-    rows = (batch, nheads, dim) if heads else (batch, dim)
-    per_head = (nheads, dim) if heads else (dim,)
-    expected = (
-        rows, rows, (nheads, dim, dstate) if heads else (dim, dstate), bc(B), bc(C),
-        per_head, rows, per_head,
-    )  # fmt: skip
+    rows = (batch, nheads, dim)
+    heads_shapes = (rows, rows, (nheads, dim, dstate), bc(B), bc(C), (nheads, dim), rows,
+                    (nheads, dim))  # fmt: skip
     device = state.device
     real = type(state) is Tensor  # sizes are ints: whole shapes compare at once
     float64 = state.dtype == torch.float64
-    for name, t, want in zip(NAMES[1:], (x, dt, A, B, C, D, z, dt_bias), expected, strict=True):
+    args = (x, dt, A, B, C, D, z, dt_bias)
+    for name, t, shape, lift in zip(NAMES[1:], args, heads_shapes, _LIFT[1:], strict=True):
         if t is None and name in ("D", "z", "dt_bias"):
             continue
+        want = _expected(t, shape, *lift, heads)
         fast = real and isinstance(t, Tensor) and t.shape == want
         if not (fast and t.dtype in _FLOATS and t.device == device):
             _check(name, t, want, heads, device)
@@ -132,6 +146,11 @@ def check_state_update_inputs(
         ),
     )
     return batch, nheads, dim, dstate, ngroups, torch.float64 if float64 else torch.float32
+
+
+def out_shape(state: Tensor) -> tuple:
+    """The step's output shape, in the state's form: (batch, dim) or (batch, nheads, dim)."""
+    return tuple(state.shape[:-1])
 
 
 def as_heads(*args: Tensor | None) -> tuple:

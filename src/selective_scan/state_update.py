@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._checks import check_flag
-from ._state_update_checks import as_heads, check_state_update_inputs
+from ._state_update_checks import as_heads, check_state_update_inputs, out_shape
 from .interface import use_triton
 from .kernels.launch import PLAIN_TYPES, intercepted
 
@@ -42,7 +42,7 @@ def _state_update_torch(
     """The step in PyTorch, in float32 (float64 when an input is float64); see
     :func:`selective_state_update`."""
     *_, cdt = check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
-    out = x.new_empty(x.shape)
+    out = x.new_empty(out_shape(state))
     h, x, dt, A, B, C, D, z, dt_bias = as_heads(state, x, dt, A, B, C, D, z, dt_bias)
     xc, dt = x.to(cdt), dt.to(cdt)
     if dt_bias is not None:
@@ -67,7 +67,7 @@ def _state_update_torch(
 
 def _fake(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
     check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
-    return x.new_empty(x.shape)
+    return x.new_empty(out_shape(state))
 
 
 state_update = torch.library.custom_op(
@@ -128,7 +128,10 @@ def selective_state_update(
     out = sum_n(state * C) + D x, times silu(z). Arithmetic in float32 (float64 when an input is
     float64); the new state is stored in state's dtype and out is computed before that rounding.
 
-    Returns out, shaped like x, in x's dtype.
+    An argument may also take the other form than state's where the axis the plain form lacks
+    has size 1 (nheads = 1, or B and C with one group), as in mamba_ssm.
+
+    Returns out in x's dtype and the state's form: (batch, dim) or (batch, nheads, dim).
 
     A decode step is short, so the dispatcher's cost matters (about 100 us per call of an
     operator that mutates an input, measured on the 2-core development CPU): in plain eager

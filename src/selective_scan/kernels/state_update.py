@@ -13,13 +13,12 @@ sizes were swept on the H200 instead (``block``).
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton
 
-from .._state_update_checks import check_state_update_inputs, heads_strides
+from .._state_update_checks import check_state_update_inputs, heads_strides, out_shape
 from .common import LOG2E, block_and_sequence, sigmoid, softplus
 from .launch import Launcher
 from .scan import _fast_math, _tl_dtype, cdiv
@@ -115,8 +114,8 @@ def _plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) -> tuple[tuple, tup
     return (cdiv(dim, BD) * batch, nheads, 1), ints, options
 
 
-def _new_out(x: Tensor) -> Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)  # as x, contiguous
+def _new_out(state: Tensor, x: Tensor) -> Tensor:
+    return x.new_empty(out_shape(state))  # contiguous
 
 
 def state_update(
@@ -132,11 +131,11 @@ def state_update(
     dt_softplus: bool,
 ) -> Tensor:
     """Triton decode step, the body of ``selective_scan::state_update_triton``: updates state in
-    place and returns out (x's shape and dtype); see ``selective_state_update``. Traceable: the
-    kernel goes through ``wrap_triton``."""
+    place and returns out (x's dtype, the state's form); see ``selective_state_update``.
+    Traceable: the kernel goes through ``wrap_triton``."""
     tensors = (state, x, dt, A, B, C, D, z, dt_bias)
     grid, ints, options = _plan(*tensors, dt_softplus)
-    out = _new_out(x)
+    out = _new_out(state, x)
     wrap_triton(_state_update_kernel)[grid](*tensors, out, *ints, **options)
     return out
 
@@ -174,6 +173,6 @@ def state_update_eager(*args) -> Tensor:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = launcher
-    out = _new_out(tensors[1])
+    out = _new_out(tensors[0], tensors[1])
     launcher(*tensors, out)
     return out
