@@ -232,6 +232,12 @@ def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     return torch.float32
 
 
+def check_non_empty(fn: str, name: str, t: Tensor, labels: str) -> None:
+    """Every dimension of t at least 1, with plain comparisons (see check_shape)."""
+    if min(t.shape) < 1:
+        raise ValueError(f"{fn}: {name} must be non-empty {labels}, got {_shape(t)}")
+
+
 def check_shape(fn: str, name: str, t: Tensor, expected: tuple, labels: str) -> None:
     """Check t.shape == expected (None matches any size) with plain comparisons, for code that
     torch.compile traces (the model-level functions): there a symbolic comparison becomes a

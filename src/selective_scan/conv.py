@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_cu_seqlens_values, check_shape, check_tensor
+from ._checks import check_cu_seqlens_values, check_non_empty, check_shape, check_tensor
 
 _ACTIVATIONS = (None, "silu", "swish")
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -28,8 +28,7 @@ def _check_conv_inputs(
     if activation not in _ACTIVATIONS:
         raise ValueError(f"{name}: activation must be one of {_ACTIVATIONS}, got {activation!r}")
     check_tensor("x", x, (3,))
-    if min(x.shape) < 1:
-        raise ValueError(f"{name}: x must be non-empty (batch, dim, seqlen), got {tuple(x.shape)}")
+    check_non_empty(name, "x", x, "(batch, dim, seqlen)")
     dim = x.shape[1]
     check_tensor("weight", weight, (2,), device=x.device, ref="x")
     check_shape(name, "weight", weight, (dim, None), "(dim, width)")

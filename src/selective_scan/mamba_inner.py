@@ -25,7 +25,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from ._checks import _shape, check_flag, check_shape, check_tensor
+from ._checks import check_flag, check_non_empty, check_shape, check_tensor
 from .conv import causal_conv1d_fn
 from .interface import selective_scan_fn
 
@@ -93,10 +93,7 @@ def _check_inner_inputs(
     check_tensor("xz", xz, (3,))
     d_inner = xz.shape[1] // 2
     check_shape(fn, "xz", xz, (None, 2 * d_inner, None), "(batch, 2 * d_inner, seqlen)")
-    if min(xz.shape) < 1:
-        raise ValueError(
-            f"{fn}: xz must be non-empty (batch, 2 * d_inner, seqlen), got {_shape(xz)}"
-        )
+    check_non_empty(fn, "xz", xz, "(batch, 2 * d_inner, seqlen)")
     if isinstance(A, Tensor) and A.is_complex():
         raise ValueError(f"{fn}: complex A is not supported (A must be real)")
     device = xz.device

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._checks import check_shape, check_tensor
+from .._checks import check_non_empty, check_shape, check_tensor
 from ..conv import causal_conv1d_fn, causal_conv1d_update, causal_conv1d_varlen_fn
 from ..interface import selective_scan_fn
 from ..mamba_inner import mamba_inner_fn
@@ -61,7 +61,7 @@ class Mamba(nn.Module):
     ):
         factory_kwargs = {"device": device, "dtype": dtype}
         super().__init__()
-        rank = math.ceil(d_model / 16) if dt_rank == "auto" and d_model >= 1 else dt_rank
+        rank = math.ceil(d_model / 16) if dt_rank == "auto" else dt_rank
         for name, value in (("d_model", d_model), ("d_state", d_state), ("d_conv", d_conv),
                             ("d_inner = expand * d_model", int(expand * d_model)),
                             ("dt_rank", rank)):  # fmt: skip
@@ -162,9 +162,7 @@ class Mamba(nn.Module):
         check_tensor("hidden_states", hidden_states, (3,), device=weight.device, ref="the layer")
         labels = "(batch, seqlen, d_model)" if seqlen is None else "(batch, 1, d_model)"
         check_shape(fn, "hidden_states", hidden_states, (None, seqlen, self.d_model), labels)
-        if min(hidden_states.shape) < 1:
-            raise ValueError(f"{fn}: hidden_states must be non-empty {labels}, got "
-                             f"{tuple(hidden_states.shape)}")  # fmt: skip
+        check_non_empty(fn, "hidden_states", hidden_states, labels)
         autocast = torch.is_autocast_enabled(hidden_states.device.type)
         if hidden_states.dtype != weight.dtype and not autocast:
             raise TypeError(
