@@ -10,6 +10,8 @@ from selective_scan import selective_scan_fn, selective_scan_ref
 
 # batch 2, dim 8, dstate 4, seqlen 10; B grouped in 2 groups, C variable; every optional input.
 SHAPE = r"\(2, 8, 10\)"
+# The device make_inputs puts them on (a GPU where there is one), as error messages name it.
+HOME = torch.empty(0, device="cuda" if torch.cuda.is_available() else "cpu").device
 FLOAT_DTYPES = r"dtype in \(float16, bfloat16, float32, float64\)"
 
 
@@ -23,8 +25,8 @@ def packed(cu_seqlens, dtype=torch.int32, num_seqs=None) -> dict:
     num_seqs = len(cu_seqlens) - 1 if num_seqs is None else num_seqs
     inputs = make_inputs(batch=1, seqlen=10)
     return inputs | {
-        "cu_seqlens": torch.tensor(cu_seqlens, dtype=dtype),
-        "initial_state": torch.randn(num_seqs, 8, 4) if num_seqs else None,
+        "cu_seqlens": torch.tensor(cu_seqlens, dtype=dtype, device=HOME),
+        "initial_state": torch.randn(num_seqs, 8, 4, device=HOME) if num_seqs else None,
     }
 
 
@@ -101,7 +103,7 @@ CASES = [
     ),
     case(
         "B-groups-not-dividing-dim",
-        replace(B=lambda t: torch.randn(2, 3, 4, 10)),
+        replace(B=lambda t: torch.randn(2, 3, 4, 10, device=HOME)),
         ValueError,
         r"B has 3 groups, which must divide dim=8",
     ),
@@ -113,13 +115,13 @@ CASES = [
     ),
     case(
         "C-constant-dim",
-        replace(C=lambda t: torch.randn(7, 4)),
+        replace(C=lambda t: torch.randn(7, 4, device=HOME)),
         ValueError,
         r"C must have shape \(dim, dstate\) = \(8, 4\), got \(7, 4\)",
     ),
     case(
         "C-groups-0",
-        replace(C=lambda t: torch.randn(2, 0, 4, 10)),
+        replace(C=lambda t: torch.randn(2, 0, 4, 10, device=HOME)),
         ValueError,
         r"C has 0 groups, which must divide dim=8",
     ),
@@ -132,7 +134,7 @@ CASES = [
     case("D-rank", replace(D=lambda t: t[None]), ValueError, r"D must have 1 dimensions, got 2"),
     case(
         "delta_bias-size",
-        replace(delta_bias=lambda t: torch.rand(9)),
+        replace(delta_bias=lambda t: torch.rand(9, device=HOME)),
         ValueError,
         r"delta_bias must have shape \(dim,\) = \(8,\), got \(9,\)",
     ),
@@ -197,28 +199,34 @@ CASES = [
         "delta-meta",
         replace(delta=lambda t: t.to("meta")),
         ValueError,
-        r"delta is on meta but u is on cpu",
+        rf"delta is on meta but u is on {HOME}",
     ),
-    case("u-meta", replace(u=lambda t: t.to("meta")), ValueError, r"is on cpu but u is on meta"),
-    case("A-meta", replace(A=lambda t: t.to("meta")), ValueError, r"A is on meta but u is on cpu"),
-    case("C-meta", replace(C=lambda t: t.to("meta")), ValueError, r"C is on meta but u is on cpu"),
+    case(
+        "u-meta", replace(u=lambda t: t.to("meta")), ValueError, rf"is on {HOME} but u is on meta"
+    ),
+    case(
+        "A-meta", replace(A=lambda t: t.to("meta")), ValueError, rf"A is on meta but u is on {HOME}"
+    ),
+    case(
+        "C-meta", replace(C=lambda t: t.to("meta")), ValueError, rf"C is on meta but u is on {HOME}"
+    ),
     case(
         "delta_bias-meta",
         replace(delta_bias=lambda t: t.to("meta")),
         ValueError,
-        r"delta_bias is on meta but u is on cpu",
+        rf"delta_bias is on meta but u is on {HOME}",
     ),
     case(
         "initial_state-meta",
         replace(initial_state=lambda t: t.to("meta")),
         ValueError,
-        r"initial_state is on meta but u is on cpu",
+        rf"initial_state is on meta but u is on {HOME}",
     ),
     case(
         "cu_seqlens-meta",
         lambda: packed([0, 4, 10]) | {"cu_seqlens": torch.tensor([0, 4, 10], device="meta")},
         ValueError,
-        r"cu_seqlens is on meta but u is on cpu",
+        rf"cu_seqlens is on meta but u is on {HOME}",
     ),
     # not tensors
     case(
@@ -229,7 +237,7 @@ CASES = [
     ),
     case(
         "A-numpy",
-        replace(A=lambda t: t.numpy()),
+        replace(A=lambda t: t.cpu().numpy()),
         NOT_A_TENSOR,
         r"A must be a torch\.Tensor|argument 'A'",
     ),
@@ -289,7 +297,10 @@ CASES = [
         "cu_seqlens-batch-2",
         lambda: (
             batched()
-            | {"cu_seqlens": torch.tensor([0, 10], dtype=torch.int32), "initial_state": None}
+            | {
+                "cu_seqlens": torch.tensor([0, 10], dtype=torch.int32, device=HOME),
+                "initial_state": None,
+            }
         ),
         ValueError,
         r"cu_seqlens .* batch must be 1, got u of shape \(2, 8, 10\)",

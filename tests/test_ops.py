@@ -152,7 +152,7 @@ def _swap(position: int, make):
 
 BAD_GRADS = [
     (_swap(0, lambda t: t[:, :-1]), r"dout must have shape \(batch, dim, seqlen\)"),
-    (_swap(0, lambda t: t.to("meta")), r"dout is on meta but u is on cpu"),
+    (_swap(0, lambda t: t.to("meta")), r"dout is on meta but u is on (cpu|cuda:0)"),
     (_swap(1, lambda t: t[:1]), r"dlast_state must have shape \(batch, dim, dstate\)"),
     # A batch-1 checkpoint tensor would be broadcast over the batch.
     (_swap(12, lambda t: t[:1]), r"checkpoints must have shape .* as the forward returned"),
