@@ -10,6 +10,7 @@ grid's first axis, whose limit is 2^31 - 1 programs (65535 on the others).
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 
 @triton.jit
@@ -34,8 +35,10 @@ def _block_rows(
 def _bc_blocks_kernel(
     B_ptr, C_ptr, Bb_ptr, Cb_ptr,
     seqlen, dstate, tiles, G, B_groups, s_Bb, s_Bg, s_Bn, s_Bt, C_groups, s_Cb, s_Cg, s_Cn, s_Ct,
-    NP: tl.constexpr, T: tl.constexpr, TILES: tl.constexpr,
+    NP: tl.constexpr, T: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # the scan launched after this one may start (see kernels/scan.py, Plan.pdl)
+        gdc_launch_dependents()
     row = tl.program_id(0)
     if tl.program_id(2) == 0:
         _block_rows(B_ptr, Bb_ptr, row, G, B_groups, s_Bb, s_Bg, s_Bn, s_Bt, seqlen, dstate,

@@ -148,7 +148,9 @@ def bc_tiles(seqlen, T: int):
     return _sym_max(cdiv(seqlen, T), 2)
 
 
-def bc_blocks(B: Tensor, C: Tensor, T: int, NP: int, dtype: torch.dtype, launchers=None) -> tuple:
+def bc_blocks(
+    B: Tensor, C: Tensor, T: int, NP: int, dtype: torch.dtype, launchers=None, pdl=False
+) -> tuple:
     """(B, C) with each variable one, (batch, [groups,] dstate, seqlen) with any strides, as
     contiguous (batch, groups, bc_tiles(seqlen, T), NP, T) blocks in dtype, zero-padded in time
     and states: every (tile, state) row is T contiguous values the kernels load without masks
@@ -173,8 +175,8 @@ def bc_blocks(B: Tensor, C: Tensor, T: int, NP: int, dtype: torch.dtype, launche
     # constant B and grouped C failed on the H200; test_blocked_bc_outputs_distinct).
     spare = blocks[0].new_empty((0,))
     tensors = (var[0], var[-1], blocks[0], blocks[1] if len(blocks) > 1 else spare)
-    options = dict(NP=NP, T=T, TILES=TILES, num_warps=4)
-    _launch_kernel(launchers, _bc_blocks_kernel, grid, tensors, args, options, key=("bc",))
+    options = dict(NP=NP, T=T, TILES=TILES, PDL=pdl, num_warps=4)
+    _launch_kernel(launchers, _bc_blocks_kernel, grid, tensors, args, options, key=("bc", pdl))
     made = iter(blocks)
     return tuple(next(made) if t.dim() > 2 else t for t in (B, C))
 
@@ -389,14 +391,29 @@ class _Plan:
             # A register cap only as a tuning override (bench/tune_gpu.py, eager calls).
             **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}),
         )  # fmt: skip
+        # PDL (programmatic dependent launch, Hopper on): the forward's first scan launch starts
+        # while the B/C blocking launch before it runs, and waits for it (gdc_wait) only after
+        # its PRE pass, which reads none of the blocks: launches of few warps (PRE), where the
+        # blocking launch and the gap between the two are a tenth of the time (S6). Only where
+        # the blocking launch is the one right before it (no rows staged in between).
+        self.pdl = (
+            cfg.get("PRE", 0) > 0  # the backward's tiles have no PRE
+            and (B.dim() > 2 or C.dim() > 2)
+            and not any(self.copied)
+            and (cu_seqlens is None or cu_seqlens.is_contiguous())
+            and _has_pdl(u.device)
+        )
         # Direct launchers (launch.py) of eager calls, by the launch's own arguments; None for
         # plans built while tracing, which launch through wrap_triton.
         self.launchers: dict[tuple, Launcher] | None = None
 
-    def tensors(self, u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens) -> tuple:
-        """The kernels' leading tensor arguments: the inputs, variable B/C pre-blocked, per-step
-        inputs in padded rows where the plan says so."""
-        Bb, Cb = bc_blocks(B, C, self.cfg["T"], self.NP, self.cdt, self.launchers)
+    def tensors(
+        self, u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens, pdl=False
+    ) -> tuple:
+        """The kernels' leading tensor arguments: the inputs, variable B/C pre-blocked (letting
+        the next launch start early with pdl), per-step inputs in padded rows where the plan
+        says so."""
+        Bb, Cb = bc_blocks(B, C, self.cfg["T"], self.NP, self.cdt, self.launchers, pdl)
         u, delta, z = (
             staged(t, self) if copy else t
             for t, copy in zip((u, delta, z), self.copied, strict=True)
@@ -528,15 +545,32 @@ def scan_fwd(
     h_local, dt_sums = _range_buffers(u, p)
     # PRE (see config): delta after its bias and softplus, in rows like out's (same strides).
     pre = new_rows(u, p, p.cdt) if p.cfg["PRE"] else u.new_empty((0,), dtype=p.cdt)
-    tensors = (*p.tensors(*inputs), out, last, ckpt, h_local, dt_sums, pre)
+    # Eager launches only: Inductor's and AOTInductor's launchers set no launch attributes.
+    pdl = p.pdl and p.launchers is not None and is_plain_eager((u,))
+    tensors = (*p.tensors(*inputs, pdl=pdl), out, last, ckpt, h_local, dt_sums, pre)
     strides = (*out.stride()[:2], *ckpt.stride()[:3], *last.stride()[:2])
     for local, grid, tiles in p.launches():
-        _launch(p, _scan_fwd_kernel, grid, tensors, strides,
-                dict(SOFTPLUS=delta_softplus, LOCAL=local, PRE=p.cfg["PRE"], EPI=p.cfg["EPI"],
-                     **tiles))  # fmt: skip
+        flags = dict(SOFTPLUS=delta_softplus, LOCAL=local, PRE=p.cfg["PRE"], EPI=p.cfg["EPI"],
+                     PDL=pdl, **tiles)  # fmt: skip
+        if pdl:  # the first launch only: the one right after the blocking launch
+            flags["launch_pdl"] = True
+            pdl = False
+        _launch(p, _scan_fwd_kernel, grid, tensors, strides, flags)
         if local:
             _range_entries(p, h_local, dt_sums, A, initial_state, reverse=False)
     return unpadded(out, p), last, ckpt
+
+
+@functools.cache
+def _has_pdl(device: torch.device) -> bool:
+    """Whether launches on this device can overlap the one before them (PDL: CUDA, sm_90 on;
+    not the interpreter, which runs no PTX)."""
+    return (
+        device.type == "cuda"
+        and os.environ.get("TRITON_INTERPRET") != "1"
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )
 
 
 @functools.cache

@@ -36,6 +36,7 @@ not (see there). The backward is organized the same way.
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from .common import (
     LOG2E,
@@ -67,7 +68,8 @@ def _scan_fwd_body(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, VARLEN: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
     ACC: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr, LOCAL: tl.constexpr,
-    PRE: tl.constexpr, EPI: tl.constexpr, WIDE: tl.constexpr, ALIGNED: tl.constexpr,
+    PRE: tl.constexpr, EPI: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):  # fmt: skip
     WHOLE: tl.constexpr = WIDE and ALIGNED  # load whole tiles (see tile_masks)
     blk, seq, num_seqs = block_and_sequence(dim, BD)
@@ -153,6 +155,8 @@ def _scan_fwd_body(
             # and the loop zeroes steps outside its own range after loading them.
             tl.store(pre_row + tp.to(tl.int64), dp, mask=mp)
         tl.debug_barrier()  # the loop's lanes read what other lanes of the program wrote
+    if PDL:  # launched while the B/C blocking launch runs: the loop reads its blocks
+        gdc_wait()
     dt_total = tl.zeros([BD, 1, T], ACC)
     for t0 in tl.range((start // T) * T, end, T, num_stages=STAGES):
         t = t0 + t_idx
@@ -229,7 +233,8 @@ def _scan_fwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, VARLEN: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
     ACC: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr, LOCAL: tl.constexpr,
-    PRE: tl.constexpr, EPI: tl.constexpr, WIDE: tl.constexpr, ALIGN: tl.constexpr,
+    PRE: tl.constexpr, EPI: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):  # fmt: skip
     # The body's loads and stores of T-step tiles are 16-byte vectors only where Triton
     # knows that row offsets and range bounds are multiples of T; otherwise it lays the time
@@ -251,7 +256,7 @@ def _scan_fwd_kernel(
             B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn, s_D, s_bias, s_hb,
             s_hd, s_hn, s_ob, s_od, s_kb, s_kd, s_kc, s_lb, s_ld, DSTATE, NS, NI, BD, T, CKPT,
             HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_H0, VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES,
-            LOCAL, PRE, EPI, WIDE, True,
+            LOCAL, PRE, EPI, PDL, WIDE, True,
         )  # fmt: skip
     else:
         _scan_fwd_body(
@@ -261,5 +266,5 @@ def _scan_fwd_kernel(
             B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn, s_D, s_bias, s_hb,
             s_hd, s_hn, s_ob, s_od, s_kb, s_kd, s_kc, s_lb, s_ld, DSTATE, NS, NI, BD, T, CKPT,
             HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_H0, VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES,
-            LOCAL, PRE, EPI, WIDE, False,
+            LOCAL, PRE, EPI, PDL, WIDE, False,
         )  # fmt: skip
