@@ -183,8 +183,20 @@ def peak_memory(x: dict) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
+def _captured(fn):
+    """(CUDA graph of one fn() call, its output), fn warmed up first."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def bench_modes(shape: str = "S6") -> dict:
-    """Eager call vs torch.compile'd call vs CUDA-graph replay of the compiled call."""
+    """Eager call vs torch.compile'd call vs CUDA-graph replays of the compiled call and of the
+    eager call (the eager launches: direct, and the forward's dependent launch, see
+    kernels/scan.py; Inductor's launches set no launch attributes)."""
     x = make_bench_inputs(shape)
     args = {k: v for k, v in x.items()}
 
@@ -196,15 +208,15 @@ def bench_modes(shape: str = "S6") -> dict:
     compiled()
     torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
-    graph = torch.cuda.CUDAGraph()
-    static = compiled()  # warm
-    torch.cuda.synchronize()
-    with torch.cuda.graph(graph):
-        static = compiled()
+    graph, static = _captured(compiled)
+    eager_graph, _ = _captured(eager)
     result = {
         "eager_ms": do_bench(eager, warmup=50, rep=200, return_mode="median"),
         "compiled_ms": do_bench(compiled, warmup=50, rep=200, return_mode="median"),
         "cuda_graph_ms": do_bench(graph.replay, warmup=50, rep=200, return_mode="median"),
+        "eager_cuda_graph_ms": do_bench(
+            eager_graph.replay, warmup=50, rep=200, return_mode="median"
+        ),
         "compile_first_call_s": compile_s,
     }
     ref = selective_scan_ref(**{k: v.double() if torch.is_tensor(v) and v.is_floating_point()
