@@ -563,10 +563,11 @@ def scan_fwd(
 
 @functools.cache
 def _has_pdl(device: torch.device) -> bool:
-    """Whether launches on this device can overlap the one before them (PDL: CUDA, sm_90 on;
-    not the interpreter, which runs no PTX)."""
+    """Whether launches on this device can overlap the one before them (PDL: NVIDIA, sm_90 on;
+    not ROCm or the interpreter, which run no PTX)."""
     return (
         device.type == "cuda"
+        and torch.version.hip is None
         and os.environ.get("TRITON_INTERPRET") != "1"
         and torch.cuda.is_available()
         and torch.cuda.get_device_capability(device)[0] >= 9
