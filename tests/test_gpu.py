@@ -127,6 +127,31 @@ def test_backward_is_deterministic():
             assert torch.equal(a, b)
 
 
+def test_dependent_launch_equals_plain_launches(monkeypatch):
+    """The forward's scan launched while the B/C blocking launch runs (PDL, eager, S6's kind
+    of launch) gives what it gives launched after it, bit for bit, call after call, and in a
+    CUDA graph."""
+    from selective_scan.kernels import scan
+
+    inputs = make_inputs(device="cuda", batch=1, dim=512, dstate=16, seqlen=256,
+                         dtype=torch.bfloat16)  # fmt: skip
+    args = [inputs[k] for k in SCAN_INPUTS]
+    monkeypatch.setattr(scan, "_PLANS", {})
+    monkeypatch.setattr(scan, "_has_pdl", lambda device: False)
+    expected = OPS.scan_fwd_triton(*args, True)
+    monkeypatch.undo()
+    monkeypatch.setattr(scan, "_PLANS", {})
+    assert scan.plan(scan.config, *args).pdl
+    calls = [OPS.scan_fwd_triton(*args, True) for _ in range(20)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = OPS.scan_fwd_triton(*args, True)
+    graph.replay()
+    for got in (*calls, captured):
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a, b)
+
+
 def _samples():
     # 296 steps: ranges, and rows declared aligned (a multiple of T = 8, not of 16).
     yield make_inputs(device="cuda", seqlen=296, dim=64, dstate=16, dtype=torch.bfloat16)

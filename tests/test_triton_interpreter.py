@@ -393,6 +393,24 @@ def test_forward_pre_pass_and_epilogue():
     assert pre(1, 5120, ShapeEnv().create_unbacked_symint()) == 0
 
 
+def test_dependent_launch_right_after_blocking_only(monkeypatch):
+    """The forward's scan launch may start while the B/C blocking launch runs (PDL, on GPUs
+    that have it) only where that launch is the one right before it, and where the scan has a
+    PRE pass to run before it waits for the blocks: not after rows staged for padding (a copy
+    in between, which the PRE pass reads), not without variable B/C, not for full launches."""
+    monkeypatch.setattr(scan, "_has_pdl", lambda device: True)
+
+    def pdl(seqlen, batch=1, dim=8, **forms):
+        x = make_inputs(device="cpu", batch=batch, dim=dim, dstate=4, seqlen=seqlen, **forms)
+        return scan._Plan(scan.config, *[x.get(k) for k in SCAN_INPUTS]).pdl
+
+    assert pdl(64) and pdl(64, b_form="constant")
+    assert not pdl(64, b_form="constant", c_form="constant")
+    assert not pdl(70)  # padded rows: u, delta and z are copied after the blocking launch
+    assert not pdl(64, batch=2, dim=8192)  # 2048 warps: no PRE pass
+    assert pdl(64, cu_seqlens=[0, 30, 64])  # packed rows of whole tiles: nothing copied
+
+
 def test_pre_pass_writes_own_steps_only(monkeypatch):
     """The PRE pass of a packed sequence writes its own steps only: the steps of a whole tile
     that belong to a neighbour are that neighbour's program's (programs run concurrently on a
