@@ -18,7 +18,10 @@ each range (the state entering range r + 1 is exp(A sum(delta_r)) h_in(r) + h_lo
 full launch then starts range r from it.
 
 With PRE (a launch of few warps, see config), each program first writes delta after its bias
-and softplus for its rows to a scratch, PRE steps at a time, and the tile loop reads that.
+and softplus for its rows to a scratch, PRE steps at a time, and the tile loop reads that. With
+PDL (eager calls, see Plan.pdl in kernels/scan.py) the launch may start while the B/C blocking
+launch before it runs: programs wait for it (gdc_wait) after the PRE pass, before the tile loop
+reads the blocks.
 
 The output's epilogue (D u, the gate silu(z), the store) takes y summed over a channel's lanes.
 By default it runs in the layout Triton gives [BD, 1, T] tiles (the steps spread over the
