@@ -236,7 +236,8 @@ def ready_launch(inputs: dict) -> tuple:
     tensors = tuple(inputs.values())[:-1]  # step_inputs' order is the kernel's
     grid, ints, options = kernel_module._plan(*tensors, inputs["dt_softplus"])
     out = torch.empty_like(inputs["x"])
-    return kernel_module._state_update_kernel, grid, (*tensors, out), ints, options
+    # No state_batch_indices: the kernel's argument before out.
+    return kernel_module._state_update_kernel, grid, (*tensors, None, out), ints, options
 
 
 def launch_breakdown(inputs: dict, device: str, rounds: int) -> dict:

@@ -165,6 +165,58 @@ def test_steps_equal_selective_scan(backend, initial):
     assert_close("state", state, last, 1e-5)
 
 
+# Slots of the state the rows of a batch of 4 step, as state_batch_indices: a padding row (-1)
+# and one past the 6 slots touch none; slots 1, 2, 3 and 5 are named by no row.
+SLOT_ROWS = [4, -1, 0, 6]
+SLOTS = 6
+
+
+def with_slots(inputs: dict, rows: list, dtype=torch.int32) -> tuple[dict, torch.Tensor]:
+    """(inputs with a state of SLOTS random slots in place of the batch's, the rows' indices)."""
+    gen = torch.Generator().manual_seed(5)
+    state = inputs["state"]
+    slots = torch.randn((SLOTS, *state.shape[1:]), generator=gen).to(state.dtype).to(DEVICE)
+    return inputs | {"state": slots}, torch.tensor(rows, dtype=dtype, device=DEVICE)
+
+
+def check_slots(inputs: dict, softplus: bool, index_dtype=torch.int32) -> None:
+    """A step with state_batch_indices against the float64 oracle of the rows' own states."""
+    inputs, indices = with_slots(inputs, SLOT_ROWS, index_dtype)
+    slots = inputs["state"]
+    kept = [0 <= i < SLOTS for i in SLOT_ROWS]
+    rows = inputs | {"state": slots[[i if k else 0 for i, k in zip(SLOT_ROWS, kept, strict=True)]]}
+    new, expected_out = oracle(rows, softplus)
+    expected = slots.double().clone()
+    for row, (i, k) in enumerate(zip(SLOT_ROWS, kept, strict=True)):
+        if k:
+            expected[i] = new[row]
+        else:
+            expected_out[row] = 0.0
+    out = selective_state_update(**inputs, dt_softplus=softplus, state_batch_indices=indices)
+    assert out.shape == inputs["x"].shape
+    assert_close("state", slots, expected, bound(inputs))
+    assert_close("out", out, expected_out, bound(inputs))
+    assert all(torch.equal(out[row], torch.zeros_like(out[row])) for row in (1, 3))
+
+
+@pytest.mark.usefixtures("poison_uninitialized")
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_state_batch_indices(backend, form, index_dtype):
+    """Rows step the slots their state_batch_indices name (mamba_ssm's argument); the other
+    slots keep their values; padding rows (negative) and rows past the slots get out 0."""
+    check_slots(step_inputs(batch=len(SLOT_ROWS), **FORMS[form]), True, index_dtype)
+
+
+@pytest.mark.skipif(not TRITON_RUNS, reason="needs triton (a GPU or the interpreter)")
+def test_triton_kernel_takes_state_batch_indices(monkeypatch):
+    """The same on the Triton kernel, in CI too (the backend-parametrized test above runs the
+    Triton backend only on a GPU)."""
+    monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", "triton")
+    for form in FORMS:
+        check_slots(step_inputs(batch=len(SLOT_ROWS), **FORMS[form]), False)
+
+
 # ---- the operators ------------------------------------------------------------------------
 
 OPCHECK_SAMPLES = {
@@ -172,6 +224,7 @@ OPCHECK_SAMPLES = {
     "plain-none": (dict(D=False, z=False, dt_bias=False), False),
     "heads-groups-bf16": (dict(nheads=4, ngroups=2, dim=9, dtype=torch.bfloat16), True),
     "heads-2d-bc": (dict(nheads=2, dim=8, state_dtype=torch.float16), True),
+    "slots": (dict(nheads=4, ngroups=2, dim=9, batch=4), True),
 }
 
 
@@ -182,6 +235,9 @@ def op_args(name: str) -> tuple:
     inputs = step_inputs(**kwargs)
     if flat_bc:
         inputs["B"], inputs["C"] = inputs["B"][:, 0], inputs["C"][:, 0]
+    if name == "slots":
+        inputs, indices = with_slots(inputs, SLOT_ROWS)
+        return (*(inputs[k] for k in NAMES), softplus, indices)
     return (*(inputs[k] for k in NAMES), softplus)
 
 
@@ -456,6 +512,30 @@ BAD = [
     # Written in place: rows of a broadcast state would be one memory location.
     ("state", lambda i: i["state"][:1].expand_as(i["state"]), ValueError, "must not share memory"),
     ("dt_softplus", lambda i: "no", TypeError, "dt_softplus must be a bool, got str"),
+    (
+        "state_batch_indices",
+        lambda i: torch.zeros(3, device=DEVICE),
+        TypeError,
+        r"state_batch_indices must have dtype in \(int32, int64\)",
+    ),
+    (
+        "state_batch_indices",
+        lambda i: torch.zeros(3, 1, dtype=torch.int32, device=DEVICE),
+        ValueError,
+        "state_batch_indices must have 1 dimensions",
+    ),
+    (  # one index a row of x
+        "state_batch_indices",
+        lambda i: torch.zeros(2, dtype=torch.int32, device=DEVICE),
+        ValueError,
+        r"x must have shape \(batch, dim\)",
+    ),
+    (
+        "state_batch_indices",
+        lambda i: torch.zeros(3, dtype=torch.int32, device="meta"),
+        ValueError,
+        "state_batch_indices is on meta but state is on",
+    ),
 ]
 
 

@@ -12,6 +12,10 @@ As in mamba_ssm, an argument may also come in the other form than the state wher
 plain form lacks has size 1: with nheads = 1, or B and C with one group. out takes the state's
 form.
 
+With ``state_batch_indices`` (batch,) (int32 or int64), as in mamba_ssm, the state holds slots
+(its first axis, any number) and batch row b reads and writes slot state_batch_indices[b]; batch
+is then x's first axis.
+
 Both implementations work on the heads form: a plain argument lacks one axis of it (``_LIFT``),
 which ``as_heads`` inserts as a view and ``heads_strides`` as a zero stride.
 
@@ -26,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import _FLOAT_DTYPES, _shape, check_dims, check_size, check_tensor
+from ._checks import _FLOAT_DTYPES, _INDEX_DTYPES, _shape, check_dims, check_size, check_tensor
 
 # Argument order of the step: (state, x, dt, A, B, C, D, z, dt_bias).
 NAMES = ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias")
@@ -89,6 +93,7 @@ def check_state_update_inputs(
     D: Tensor | None = None,
     z: Tensor | None = None,
     dt_bias: Tensor | None = None,
+    state_batch_indices: Tensor | None = None,
 ) -> tuple:
     """Validate the decode step's arguments (either form, see the module docstring); raise a
     clear error naming the argument and the expected shape.
@@ -102,6 +107,18 @@ def check_state_update_inputs(
         check_size(
             size >= 1,
             lambda: f"selective_state_update: state must be non-empty, got {_shape(state)}",
+        )
+    if state_batch_indices is not None:  # batch rows pick slots of the state
+        check_tensor(
+            "state_batch_indices", state_batch_indices, (1,), _INDEX_DTYPES, state.device, "state"
+        )
+        batch = state_batch_indices.shape[0]
+        check_size(
+            batch >= 1,
+            lambda: (
+                "selective_state_update: state_batch_indices must be non-empty, got "
+                f"{_shape(state_batch_indices)}"
+            ),
         )
 
     def bc(t: object) -> tuple:
@@ -148,9 +165,10 @@ def check_state_update_inputs(
     return batch, nheads, dim, dstate, ngroups, torch.float64 if float64 else torch.float32
 
 
-def out_shape(state: Tensor) -> tuple:
-    """The step's output shape, in the state's form: (batch, dim) or (batch, nheads, dim)."""
-    return tuple(state.shape[:-1])
+def out_shape(state: Tensor, x: Tensor) -> tuple:
+    """The step's output shape, in the state's form: (batch, dim) or (batch, nheads, dim), batch
+    being x's (the state's too, but for slots picked by state_batch_indices)."""
+    return (x.shape[0], *state.shape[1:-1])
 
 
 def as_heads(*args: Tensor | None) -> tuple:

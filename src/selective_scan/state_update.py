@@ -38,12 +38,17 @@ def _state_update_torch(
     z: Tensor | None,
     dt_bias: Tensor | None,
     dt_softplus: bool,
+    state_batch_indices: Tensor | None = None,
 ) -> Tensor:
     """The step in PyTorch, in float32 (float64 when an input is float64); see
     :func:`selective_state_update`."""
-    *_, cdt = check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
-    out = x.new_empty(out_shape(state))
-    h, x, dt, A, B, C, D, z, dt_bias = as_heads(state, x, dt, A, B, C, D, z, dt_bias)
+    *_, cdt = check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
+    out = x.new_empty(out_shape(state, x))
+    slots, x, dt, A, B, C, D, z, dt_bias = as_heads(state, x, dt, A, B, C, D, z, dt_bias)
+    h, kept = slots, None
+    if state_batch_indices is not None:  # the rows' slots; others (padding) are left alone
+        kept = (state_batch_indices >= 0) & (state_batch_indices < slots.shape[0])
+        h = slots[torch.where(kept, state_batch_indices, 0)]
     xc, dt = x.to(cdt), dt.to(cdt)
     if dt_bias is not None:
         dt = dt + dt_bias
@@ -54,20 +59,25 @@ def _state_update_torch(
         return t.to(cdt).repeat_interleave(h.shape[1] // t.shape[1], dim=1).unsqueeze(2)
 
     new = h.to(cdt) * torch.exp(dt.unsqueeze(-1) * A) + (dt * xc).unsqueeze(-1) * per_head(B)
-    h.copy_(new)
+    if kept is None:
+        h.copy_(new)
+    else:
+        slots[state_batch_indices[kept]] = new[kept].to(slots.dtype)
     # The output reads the float32 state before it is rounded to state's dtype, as the kernels do.
     y = (new * per_head(C)).sum(-1)
     if D is not None:
         y = y + xc * D
     if z is not None:
         y = y * F.silu(z.to(cdt))
+    if kept is not None:  # padding rows: out 0, as mamba_ssm
+        y = torch.where(kept[:, None, None], y, 0.0)
     out.copy_(y.reshape(out.shape))
     return out
 
 
-def _fake(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
-    check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias)
-    return x.new_empty(out_shape(state))
+def _fake(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices=None):
+    check_state_update_inputs(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
+    return x.new_empty(out_shape(state, x))
 
 
 state_update = torch.library.custom_op(
@@ -116,6 +126,7 @@ def selective_state_update(
     z: Tensor | None = None,
     dt_bias: Tensor | None = None,
     dt_softplus: bool = False,
+    state_batch_indices: Tensor | None = None,
 ) -> Tensor:
     """One step of the selective scan from ``state``, which is updated in place.
 
@@ -130,6 +141,11 @@ def selective_state_update(
 
     An argument may also take the other form than state's where the axis the plain form lacks
     has size 1 (nheads = 1, or B and C with one group), as in mamba_ssm.
+
+    state_batch_indices (batch,), int32 or int64, as in mamba_ssm: the state's first axis holds
+    slots (any number of them) and batch row b steps slot state_batch_indices[b]. A row whose
+    index is negative (padding), or not below the number of slots, leaves every slot alone and
+    gets out 0. Each slot must be named at most once (rows naming the same slot race).
 
     Returns out in x's dtype and the state's form: (batch, dim) or (batch, nheads, dim).
 
@@ -146,9 +162,9 @@ def selective_state_update(
             "selective_state_update: state is a leaf tensor that requires grad, and the step "
             "writes into it; pass state.detach(), or call it under torch.no_grad()"
         )
-    args = (state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+    args = (state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
     op, implementation = _backend(state)
-    if _plain_eager(args[:-1]):
+    if _plain_eager((*args[:9], state_batch_indices)):
         out = implementation(*args)
         torch.autograd.graph.increment_version(state)
         return out

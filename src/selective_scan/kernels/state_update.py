@@ -7,6 +7,9 @@ state's dtype, and reduces the same registers against C for the output. A memory
 the state is read and written once; A (dim, dstate) is the same for every batch row, so its
 reads after the first row come from L2.
 
+With state_batch_indices, batch row b reads and writes slot state_batch_indices[b] of the state;
+a row whose index is outside [0, slots) writes no state and out 0.
+
 No autotuning: the kernel overwrites the state, so a tuning run would corrupt it. The tile
 sizes were swept on the H200 instead (``block``).
 """
@@ -26,15 +29,15 @@ from .scan import _fast_math, _tl_dtype, cdiv
 
 @triton.jit
 def _state_update_kernel(
-    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, out_ptr,
-    dim, dstate, heads_per_group,
-    # Strides, in the argument order (see heads_strides), then out's.
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, idx_ptr, out_ptr,
+    dim, dstate, heads_per_group, slots,
+    # Strides, in the argument order (see heads_strides), then state_batch_indices' and out's.
     s_sb, s_sh, s_sd, s_sn, s_xb, s_xh, s_xd, s_tb, s_th, s_td, s_Ah, s_Ad, s_An,
     s_Bb, s_Bg, s_Bn, s_Cb, s_Cg, s_Cn, s_Dh, s_Dd, s_zb, s_zh, s_zd, s_bh, s_bd,
-    s_ob, s_oh, s_od,
+    s_i, s_ob, s_oh, s_od,
     NP: tl.constexpr, BD: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    ACC: tl.constexpr, FAST: tl.constexpr,
+    HAS_IDX: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     # 64-bit row offsets: batch * nheads * dim * dstate may exceed 2^31.
     blk, b, _ = block_and_sequence(dim, BD)
@@ -48,10 +51,18 @@ def _state_update_kernel(
     n_ok = n < dstate
     tile_ok = d_ok[:, None] & n_ok[None, :]
 
+    slot = b
+    state_ok = tile_ok
+    if HAS_IDX:  # the row's slot; a padding row (outside [0, slots)) touches none
+        slot = tl.load(idx_ptr + b * s_i).to(tl.int64)
+        kept = (slot >= 0) & (slot < slots)
+        slot = tl.where(kept, slot, 0)
+        state_ok = tile_ok & kept
+
     # The state tile first: its load is the one whose latency the others should hide behind.
     # Padded states load 0 with A = B = C = 0: they stay 0 and add nothing to the output.
-    state_ptrs = state_ptr + b * s_sb + h * s_sh + d64[:, None] * s_sd + n[None, :] * s_sn
-    state = tl.load(state_ptrs, mask=tile_ok, other=0.0).to(ACC)
+    state_ptrs = state_ptr + slot * s_sb + h * s_sh + d64[:, None] * s_sd + n[None, :] * s_sn
+    state = tl.load(state_ptrs, mask=state_ok, other=0.0).to(ACC)
     x = tl.load(x_ptr + b * s_xb + h * s_xh + d64 * s_xd, mask=d_ok, other=0.0).to(ACC)
     dt = tl.load(dt_ptr + b * s_tb + h * s_th + d64 * s_td, mask=d_ok, other=0.0).to(ACC)
     if HAS_BIAS:
@@ -70,13 +81,15 @@ def _state_update_kernel(
         z = tl.load(z_ptr + b * s_zb + h * s_zh + d64 * s_zd, mask=d_ok, other=0.0).to(ACC)
 
     state = state * tl.math.exp2(A2 * dt[:, None]) + B[None, :] * (dt * x)[:, None]
-    tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_ok)
+    tl.store(state_ptrs, state.to(state_ptr.dtype.element_ty), mask=state_ok)
 
     y = tl.sum(state * C[None, :], axis=1)
     if HAS_D:
         y += x * D
     if HAS_Z:
         y *= z * sigmoid(z, FAST)
+    if HAS_IDX:
+        y = tl.where(kept, y, 0.0)
     tl.store(out_ptr + b * s_ob + h * s_oh + d64 * s_od, y.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
@@ -92,22 +105,27 @@ def block(dstate) -> tuple[int, int, int]:
     return NP, max(2048 // NP, 1), 4
 
 
-def _plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) -> tuple[tuple, tuple, dict]:
+def _plan(
+    state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices=None
+) -> tuple[tuple, tuple, dict]:
     """Check the arguments and derive the launch from them: (grid, the integer arguments after
     out, the compile-time options). Reads only the arguments' shapes, strides, dtypes and
     devices (see ``_layout``)."""
+    idx = state_batch_indices
     batch, nheads, dim, dstate, ngroups, cdt = check_state_update_inputs(
-        state, x, dt, A, B, C, D, z, dt_bias
+        state, x, dt, A, B, C, D, z, dt_bias, idx
     )
     NP, BD, num_warps = block(dstate)
     ints = (
-        dim, dstate, nheads // ngroups, *heads_strides(state, x, dt, A, B, C, D, z, dt_bias),
+        dim, dstate, nheads // ngroups, state.shape[0],
+        *heads_strides(state, x, dt, A, B, C, D, z, dt_bias), 0 if idx is None else idx.stride(0),
         nheads * dim, dim, 1,  # out: fresh and contiguous, in either form
     )  # fmt: skip
     options = dict(
         NP=NP, BD=BD,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None,
-        SOFTPLUS=dt_softplus, ACC=_tl_dtype(cdt), FAST=_fast_math(x, cdt), num_warps=num_warps,
+        SOFTPLUS=dt_softplus, HAS_IDX=idx is not None, ACC=_tl_dtype(cdt),
+        FAST=_fast_math(x, cdt), num_warps=num_warps,
     )  # fmt: skip
     # Batch rows share the first axis with the blocks of channels (common.block_and_sequence):
     # the other axes allow 65535 programs, fewer than a batch may have rows.
@@ -115,7 +133,7 @@ def _plan(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus) -> tuple[tuple, tup
 
 
 def _new_out(state: Tensor, x: Tensor) -> Tensor:
-    return x.new_empty(out_shape(state))  # contiguous
+    return x.new_empty(out_shape(state, x))  # contiguous
 
 
 def state_update(
@@ -129,12 +147,15 @@ def state_update(
     z: Tensor | None,
     dt_bias: Tensor | None,
     dt_softplus: bool,
+    state_batch_indices: Tensor | None = None,
 ) -> Tensor:
     """Triton decode step, the body of ``selective_scan::state_update_triton``: updates state in
     place and returns out (x's dtype, the state's form); see ``selective_state_update``.
     Traceable: the kernel goes through ``wrap_triton``."""
-    tensors = (state, x, dt, A, B, C, D, z, dt_bias)
-    grid, ints, options = _plan(*tensors, dt_softplus)
+    grid, ints, options = _plan(
+        state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices
+    )
+    tensors = (state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
     out = _new_out(state, x)
     wrap_triton(_state_update_kernel)[grid](*tensors, out, *ints, **options)
     return out
@@ -165,7 +186,8 @@ def state_update_eager(*args) -> Tensor:
     argument binding, with the launcher of an earlier call of the same layout (see
     ``selective_state_update``). A call whose arguments fail the checks raises in ``_plan`` and
     leaves no launcher behind."""
-    tensors, dt_softplus = args[:-1], args[-1]
+    *tensors, dt_softplus, state_batch_indices = args
+    tensors = (*tensors, state_batch_indices)  # the kernel's order
     key = _layout(tensors, dt_softplus)
     launcher = _PLANS.get(key)
     if launcher is None:
