@@ -4,6 +4,10 @@ import pytest
 import torch
 from helpers import SCAN_INPUTS, make_inputs
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from selective_scan import ops, selective_scan_fn
+from selective_scan.interface import scan_ops
 
 FWD = torch.ops.selective_scan.scan_fwd.default
 BWD = torch.ops.selective_scan.scan_bwd.default
@@ -169,3 +173,49 @@ def test_backward_checks_its_own_inputs(change, match, fake):
     args = change(bwd_args(inputs_for(dict(seqlen=70)), True))
     with pytest.raises((ValueError, TypeError), match=match):
         run_fake(BWD, args) if fake else BWD(*args)
+
+
+# ---- selective_scan_fn's direct calls ------------------------------------------------------
+
+
+def _record_direct_calls(monkeypatch) -> list:
+    """Record the forward implementations that selective_scan_fn calls directly (not through
+    their op)."""
+    calls = []
+    for op, implementation in list(ops.FORWARD_IMPLEMENTATIONS.items()):
+
+        def recorded(*args, implementation=implementation):
+            calls.append(implementation)
+            return implementation(*args)
+
+        monkeypatch.setitem(ops.FORWARD_IMPLEMENTATIONS, op, recorded)
+    return calls
+
+
+def test_eager_calls_without_grad_skip_the_op(backend, monkeypatch):
+    """With nothing to differentiate, a plain eager call runs the forward's implementation
+    without the dispatcher, and gives the op's result bit for bit; an input that requires grad,
+    or a dispatch mode (tracing, FakeTensorMode, profiling modes), takes the op."""
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = make_inputs(seqlen=33, initial_state=True)
+    calls = _record_direct_calls(monkeypatch)
+    with torch.no_grad():
+        direct = selective_scan_fn(**x, delta_softplus=True, return_last_state=True)
+    assert len(calls) == 1
+    via_op = selective_scan_fn(**(x | {"A": x["A"].clone().requires_grad_()}),
+                               delta_softplus=True, return_last_state=True)  # fmt: skip
+    with torch.no_grad(), Record() as mode:
+        selective_scan_fn(**x, delta_softplus=True)
+    assert len(calls) == 1
+    assert scan_ops(x["u"])[0]._opoverload in mode.ops
+    for a, b in zip(direct, via_op, strict=True):
+        assert torch.equal(a, b.detach())

@@ -84,6 +84,9 @@ scan_bwd = torch.library.custom_op("selective_scan::scan_bwd", cpu.scan_bwd, mut
 scan_fwd.register_fake(fwd_fake(cpu.CHUNK))
 scan_bwd.register_fake(bwd_fake)
 scan_fwd.register_autograd(_make_backward(scan_bwd), setup_context=_setup_context)
+# The function each forward op runs, for eager calls that may skip the dispatcher
+# (interface.selective_scan_fn).
+FORWARD_IMPLEMENTATIONS = {scan_fwd: cpu.scan_fwd}
 
 
 def _register_triton():
@@ -99,6 +102,7 @@ def _register_triton():
         "selective_scan::scan_bwd_triton", triton_scan.scan_bwd, mutates_args=()
     )
     fwd.register_autograd(_make_backward(bwd), setup_context=_setup_context)
+    FORWARD_IMPLEMENTATIONS[fwd] = triton_scan.scan_fwd
     return fwd, bwd
 
 

@@ -24,7 +24,7 @@ from torch import Tensor
 from ._checks import check_flag
 from ._state_update_checks import as_heads, check_state_update_inputs, out_shape
 from .interface import use_triton
-from .kernels.launch import PLAIN_TYPES, intercepted
+from .kernels.launch import direct_call_ok
 
 
 def _state_update_torch(
@@ -101,20 +101,6 @@ def _register_triton():
 state_update_triton, _triton_eager = _register_triton()
 
 
-def _plain_eager(tensors: tuple) -> bool:
-    """Whether calling the implementation directly is indistinguishable from calling the op:
-    nothing traces or intercepts the call (``kernels.launch.intercepted``), every tensor is a
-    plain one, and autograd would record nothing (the op's autograd node only raises in
-    backward)."""
-    if intercepted():
-        return False
-    grad = torch.is_grad_enabled()
-    for t in tensors:  # a loop, not all(generator): this runs for every decoded token
-        if t is not None and (type(t) not in PLAIN_TYPES or (grad and t.requires_grad)):
-            return False
-    return True
-
-
 def selective_state_update(
     state: Tensor,
     x: Tensor,
@@ -164,7 +150,7 @@ def selective_state_update(
         )
     args = (state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
     op, implementation = _backend(state)
-    if _plain_eager((*args[:9], state_batch_indices)):
+    if direct_call_ok((*args[:9], state_batch_indices)):
         out = implementation(*args)
         torch.autograd.graph.increment_version(state)
         return out

@@ -45,6 +45,20 @@ def intercepted() -> bool:
     )
 
 
+def direct_call_ok(tensors) -> bool:
+    """Whether calling an operator's implementation directly is indistinguishable from calling
+    the operator: nothing traces or intercepts the call (``intercepted``), every tensor is a
+    plain one (or None), and autograd would record nothing. The public functions then skip the
+    dispatcher, whose cost matters on short eager calls (a decode step, a small scan)."""
+    if intercepted():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:  # a loop, not all(generator): this runs for every decoded token
+        if t is not None and (type(t) not in PLAIN_TYPES or (grad and t.requires_grad)):
+            return False
+    return True
+
+
 def is_plain_eager(tensors) -> bool:
     """Whether launching now is indistinguishable from what tracing would record: nothing
     intercepts calls and every tensor is a plain one. (Inside a triton_op's eager call this
