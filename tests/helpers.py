@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from selective_scan import selective_scan_fn, selective_scan_ref
 from selective_scan._checks import compute_dtype
@@ -222,3 +223,15 @@ def gradcheck_scan(inputs: dict, fast_mode: bool = False) -> bool:
 
     args = [inputs[k].detach().clone().requires_grad_(True) for k in names]
     return torch.autograd.gradcheck(scan, args, fast_mode=fast_mode)
+
+
+class RecordOps(TorchDispatchMode):
+    """A dispatch mode that records every op called under it (``.ops``) and runs it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))

@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-from helpers import SCAN_INPUTS, make_inputs
+from helpers import SCAN_INPUTS, RecordOps, make_inputs
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from selective_scan import ops, selective_scan_fn
 from selective_scan.interface import scan_ops
@@ -197,15 +196,6 @@ def test_eager_calls_without_grad_skip_the_op(backend, monkeypatch):
     without the dispatcher, and gives the op's result bit for bit; an input that requires grad,
     or a dispatch mode (tracing, FakeTensorMode, profiling modes), takes the op."""
 
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func)
-            return func(*args, **(kwargs or {}))
-
     x = make_inputs(seqlen=33, initial_state=True)
     calls = _record_direct_calls(monkeypatch)
     with torch.no_grad():
@@ -213,7 +203,7 @@ def test_eager_calls_without_grad_skip_the_op(backend, monkeypatch):
     assert len(calls) == 1
     via_op = selective_scan_fn(**(x | {"A": x["A"].clone().requires_grad_()}),
                                delta_softplus=True, return_last_state=True)  # fmt: skip
-    with torch.no_grad(), Record() as mode:
+    with torch.no_grad(), RecordOps() as mode:
         selective_scan_fn(**x, delta_softplus=True)
     assert len(calls) == 1
     assert scan_ops(x["u"])[0]._opoverload in mode.ops

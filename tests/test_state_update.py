@@ -16,9 +16,8 @@ import torch
 import torch._dynamo.testing
 import torch.nn.functional as F
 from conftest import TRITON_RUNS
-from helpers import TOLERANCE, assert_close, rel_err
+from helpers import TOLERANCE, RecordOps, assert_close, rel_err
 from torch._dynamo.utils import counters
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from selective_scan import selective_scan_fn
 from selective_scan._state_update_checks import _LIFT
@@ -282,16 +281,7 @@ def test_eager_fast_path_matches_op():
 def test_dispatch_modes_see_the_op():
     """Under a dispatch mode (FakeTensorMode, tracing, profiling ones...) the op is called."""
 
-    class Record(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func)
-            return func(*args, **(kwargs or {}))
-
-    with torch.no_grad(), Record() as mode:
+    with torch.no_grad(), RecordOps() as mode:
         selective_state_update(**step_inputs())
     assert DEVICE_OP in mode.ops
 
