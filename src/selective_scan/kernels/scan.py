@@ -523,7 +523,11 @@ def _range_entries(p: _Plan, local: Tensor, dt_sums: Tensor, A: Tensor, init: Te
     each range (forward; init = initial_state) or the gradient leaving it (backward, reverse;
     init = dlast_state), in place: kernels/range_entries.py."""
     BD = max(1, 32 // p.NP)  # a value of each range's results a lane
-    grid = (cdiv(p.dim, BD) * p.num_states, 1, 1)  # Inductor's launchers want three axes
+    # No program for a single range: traced calls keep this launch for a symbolic count (see
+    # _may_exceed_one), and its programs, which then had nothing to fold, took 5-14 us of
+    # S1's, S2's and S7's compiled forwards (session 17).
+    programs = cdiv(p.dim, BD) * p.num_states * _sym_min(1, p.n_ranges - 1)
+    grid = (programs, 1, 1)  # Inductor's launchers want three axes
     init_strides = (0, 0, 0) if init is None else init.stride()
     args = (p.dim, p.n_ranges, *A.stride(), *init_strides)
     options = dict(DSTATE=p.dstate, NP=p.NP, BD=BD, RB=RANGE_BLOCK, REVERSE=reverse,
