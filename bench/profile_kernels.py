@@ -1,11 +1,14 @@
 """GPU time of every kernel one scan call launches, per shape and direction (torch.profiler).
 
     python bench/profile_kernels.py --shapes S1,S3 [--calls 5] [--plain] [--config b.BF16_PARTS=0]
+    python bench/profile_kernels.py --shapes S7 --compiled
 
 Where `gpu_bench.py` reports the sum, this splits a call into its launches (the ranges' local
 pass, the main kernel, the partial-sum reductions, copies of padded rows), which is what a
 change to one of them must be judged by. `--plain` runs each call once without the profiler,
-for an outside profiler such as Nsight Compute (`ncu -k regex:_scan_bwd`).
+for an outside profiler such as Nsight Compute (`ncu -k regex:_scan_bwd`). `--compiled` splits
+the public forward's eager call and its call under torch.compile(dynamic=True), compiled as
+`gpu_bench.py` compiles it, instead.
 """
 
 from __future__ import annotations
@@ -59,6 +62,15 @@ def per_kernel_us(fn, calls: int) -> list[tuple[str, float]]:
     return [(name, us) for name, us in rows]
 
 
+def compiled_calls(shape: str, seqlen: int | None):
+    """(eager call, compiled call) of the public forward on the shape's benchmark inputs."""
+    from gpu_bench import _public_fwd, compiled_fwd  # gpu_bench imports this module
+
+    x = make_bench_inputs(shape, small_seqlen=seqlen)
+    compiled = compiled_fwd(x)
+    return (lambda: _public_fwd(x)), (lambda: compiled(x))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="S1,S3")
@@ -66,10 +78,16 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--plain", action="store_true", help="no profiler: one call each")
     parser.add_argument("--config", default="", help="tile overrides, as tune_gpu.py's")
+    parser.add_argument(
+        "--compiled", action="store_true", help="the public forward, eager and compiled"
+    )
     args = parser.parse_args()
     use_config(parse(args.config))
+    names, of = (("fwd", "bwd"), calls_of)
+    if args.compiled:
+        names, of = (("eager fwd", "compiled fwd"), compiled_calls)
     for shape in args.shapes.split(","):
-        for direction, fn in zip(("fwd", "bwd"), calls_of(shape, args.seqlen), strict=True):
+        for direction, fn in zip(names, of(shape, args.seqlen), strict=True):
             if args.plain:
                 fn()
                 torch.cuda.synchronize()
