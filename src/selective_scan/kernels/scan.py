@@ -148,33 +148,48 @@ def bc_tiles(seqlen, T: int):
     return _sym_max(cdiv(seqlen, T), 2)
 
 
+def bc_layout(B: Tensor, C: Tensor, T: int, NP: int) -> tuple | None:
+    """What `bc_blocks` derives from B's and C's shapes and strides alone (plans keep it: it
+    was a third of a small eager call's host time): the blocks' shapes, the launch's grid and
+    arguments, programs' tiles; None when neither is variable."""
+    var = [t for t in (B, C) if t.dim() > 2]
+    if not var:
+        return None
+    rows4 = [t if t.dim() == 4 else t.unsqueeze(1) for t in var]
+    batch, _, dstate, seqlen = rows4[0].shape
+    tiles = bc_tiles(seqlen, T)
+    shapes = [(batch, t.shape[1], tiles, NP, T) for t in rows4]
+    G = _sym_max(rows4[0].shape[1], rows4[-1].shape[1])
+    per_source = [a for t in (rows4[0], rows4[-1]) for a in (t.shape[1], *t.stride())]
+    args = (seqlen, dstate, tiles, G, *per_source)  # groups and strides of B's, then C's
+    TILES = max(1, BC_BLOCK_ELEMENTS // (NP * T))
+    return shapes, (batch * G, cdiv(tiles, TILES), len(var)), args, TILES
+
+
 def bc_blocks(
-    B: Tensor, C: Tensor, T: int, NP: int, dtype: torch.dtype, launchers=None, pdl=False
-) -> tuple:
+    B: Tensor, C: Tensor, T: int, NP: int, dtype: torch.dtype, launchers=None, pdl=False,
+    layout=False,
+) -> tuple:  # fmt: skip
     """(B, C) with each variable one, (batch, [groups,] dstate, seqlen) with any strides, as
     contiguous (batch, groups, bc_tiles(seqlen, T), NP, T) blocks in dtype, zero-padded in time
     and states: every (tile, state) row is T contiguous values the kernels load without masks
     or conversion. One launch for both (kernels/bc_blocks.py): torch's pad and copy took 4
     launches, 9.5 us of S6's 37 us forward (session 7). Costs one pass over B and C (batch *
-    groups * dstate * seqlen elements each, small next to u). Constant B/C pass through."""
-    var = [t for t in (B, C) if t.dim() > 2]
-    if not var:
+    groups * dstate * seqlen elements each, small next to u). Constant B/C pass through.
+    ``layout``: their `bc_layout`, when the caller has it."""
+    if layout is False:
+        layout = bc_layout(B, C, T, NP)
+    if layout is None:
         return B, C
-    rows4 = [t if t.dim() == 4 else t.unsqueeze(1) for t in var]
-    batch, _, dstate, seqlen = rows4[0].shape
-    tiles = bc_tiles(seqlen, T)
-    blocks = [t.new_empty((batch, t.shape[1], tiles, NP, T), dtype=dtype) for t in rows4]
-    G = _sym_max(rows4[0].shape[1], rows4[-1].shape[1])
-    per_source = [a for t in (rows4[0], rows4[-1]) for a in (t.shape[1], *t.stride())]
-    args = (seqlen, dstate, tiles, G, *per_source)  # groups and strides of B's, then C's
-    TILES = max(1, BC_BLOCK_ELEMENTS // (NP * T))
-    grid = (batch * G, cdiv(tiles, TILES), len(var))
+    shapes, grid, args, TILES = layout
+    var = [t for t in (B, C) if t.dim() > 2]
+    blocks = [var[0].new_empty(shape, dtype=dtype) for shape in shapes]
     # One source is read as both; its blocks are written once, the spare output slot gets an
     # empty tensor: a tensor passed twice as a kernel's output is cloned twice when a traced
     # call is functionalized, and the clone kept was the one never written (opcheck of
     # constant B and grouped C failed on the H200; test_blocked_bc_outputs_distinct).
-    spare = blocks[0].new_empty((0,))
-    tensors = (var[0], var[-1], blocks[0], blocks[1] if len(blocks) > 1 else spare)
+    second = blocks[1] if len(blocks) > 1 else blocks[0].new_empty((0,))
+    tensors = (var[0], var[-1], blocks[0], second)
     options = dict(NP=NP, T=T, TILES=TILES, PDL=pdl, num_warps=4)
     _launch_kernel(launchers, _bc_blocks_kernel, grid, tensors, args, options, key=("bc", pdl))
     made = iter(blocks)
@@ -394,6 +409,7 @@ class _Plan:
             *_strides3(initial_state),
         )  # fmt: skip
         self.row_strides = row_strides = (*u_s[:2], *delta_s[:2], *z_s[:2])
+        self.bc_layout = bc_layout(B, C, T, self.NP)
         wide = cu_seqlens is not None or pad
         self.flags = dict(
             DSTATE=self.dstate, NS=cfg["NS"], NI=cfg["NI"], BD=cfg["BD"], T=T, CKPT=CKPT,
@@ -421,6 +437,9 @@ class _Plan:
         # Direct launchers (launch.py) of eager calls, by the launch's own arguments; None for
         # plans built while tracing, which launch through wrap_triton.
         self.launchers: dict[tuple, Launcher] | None = None
+        # Eager plans: an empty tensor for the buffers a launch does not use (no PRE pass, one
+        # range), passed in their place: allocating them took 1-1.5 us of host time each.
+        self.unused: Tensor | None = None
 
     def tensors(
         self, u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens, pdl=False
@@ -428,7 +447,8 @@ class _Plan:
         """The kernels' leading tensor arguments: the inputs, variable B/C pre-blocked (letting
         the next launch start early with pdl), per-step inputs in padded rows where the plan
         says so."""
-        Bb, Cb = bc_blocks(B, C, self.cfg["T"], self.NP, self.cdt, self.launchers, pdl)
+        Bb, Cb = bc_blocks(B, C, self.cfg["T"], self.NP, self.cdt, self.launchers, pdl,
+                           self.bc_layout)  # fmt: skip
         u, delta, z = (
             staged(t, self) if copy else t
             for t, copy in zip((u, delta, z), self.copied, strict=True)
@@ -471,6 +491,7 @@ def plan(cfg_fn, *inputs) -> _Plan:
     if found is None:
         found = _Plan(cfg_fn, *inputs)
         found.launchers = {}
+        found.unused = inputs[0].new_empty((0,), dtype=found.cdt)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = found
@@ -498,6 +519,11 @@ def _launch_kernel(launchers, kernel, grid, tensors, args, options, key) -> None
     launcher(*tensors)
 
 
+def _unused(u: Tensor, p: _Plan) -> Tensor:
+    """A tensor for a buffer the launches do not use (its pointer is passed, never read)."""
+    return u.new_empty((0,), dtype=p.cdt) if p.unused is None else p.unused
+
+
 def _range_buffers(u: Tensor, p: _Plan) -> tuple[Tensor, Tensor]:
     """The local launch's per-range results, states (ranges, sequences, dim, NP) and sum(delta)
     (ranges, sequences, dim), as flat tensors (the kernels index them). With the range count
@@ -506,6 +532,8 @@ def _range_buffers(u: Tensor, p: _Plan) -> tuple[Tensor, Tensor]:
     into itself around the kernel (a KeyError in its scheduler, AOTInductor with dynamic
     shapes); leading, it was tested for being 1 (contiguity), so that torch.compile(dynamic=
     True) compiled again when a longer sequence was cut into ranges."""
+    if p.unused is not None and not _may_exceed_one(p.n_ranges):  # read and written by none
+        return p.unused, p.unused
     per_range = p.num_states * p.dim
     h_local = u.new_empty((p.n_ranges * per_range * p.NP,), dtype=p.cdt)
     return h_local, u.new_empty((p.n_ranges * per_range,), dtype=p.cdt)
@@ -563,7 +591,7 @@ def scan_fwd(
     ckpt = u.new_empty((p.batch, p.dim, checkpoint_slots(p.seqlen, CKPT), p.dstate), dtype=p.cdt)
     h_local, dt_sums = _range_buffers(u, p)
     # PRE (see config): delta after its bias and softplus, in rows like out's (same strides).
-    pre = new_rows(u, p, p.cdt) if p.cfg["PRE"] else u.new_empty((0,), dtype=p.cdt)
+    pre = new_rows(u, p, p.cdt) if p.cfg["PRE"] else _unused(u, p)
     # Eager launches only: Inductor's and AOTInductor's launchers set no launch attributes.
     pdl = p.pdl and p.launchers is not None and is_plain_eager((u,))
     tensors = (*p.tensors(*inputs, pdl=pdl), out, last, ckpt, h_local, dt_sums, pre)
