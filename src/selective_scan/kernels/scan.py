@@ -242,29 +242,29 @@ def config(
 ) -> dict:
     """Tiles of the forward (measured on the H200, bench/NOTES.md, session 6). T = 16 steps per
     thread (two 16-byte vectors of a 16-bit input, four of float32; 8 steps in float64): 10%
-    fewer instructions per step than 8 for bf16, 28% for float32 (S1 0.317 -> 0.272 ms, S4
-    0.673 -> 0.299). A known length that 16 does not divide but 8 does gets T = 8: rows padded
-    to 16 took S1's size with 2056 steps 0.560 ms, against 0.310 with T = 8 (session 5). 4 lanes
-    per channel, or 2 where programs of 2-lane channels still give TARGET_WARPS warps (S5, S7:
-    7-8% faster; S1, S2: 13-30% slower with 2), or where 4 lanes would cut the sequence into
-    ranges (S3 0.394 -> 0.384 ms, session 8: the cut makes the warps, and the per-step work
-    repeated on each lane of a channel is halved). Symbolic sizes (torch.compile(dynamic=True),
+    fewer instructions per step than 8 for bf16, 28% for float32 (S1 0.317 -> 0.272 ms, S4 0.673
+    -> 0.299). A known length that 16 does not divide but 8 does gets T = 8: rows padded to 16
+    took S1's size with 2056 steps 0.560 ms, against 0.310 with T = 8 (session 5). 4 lanes per
+    channel, or 2 where programs of 2-lane channels still give TARGET_WARPS warps (S5, S7: 7-8%
+    faster; S1, S2: 13-30% slower with 2), or where 4 lanes would cut the sequence into ranges
+    (S3 0.394 -> 0.384 ms, session 8: the cut makes the warps, and the per-step work repeated on
+    each lane of a channel is halved). Symbolic sizes (torch.compile(dynamic=True),
     torch.export) get T = 16, and lanes, EPI and PRE chosen for the sizes of the example traced
     (`size_hint`), which adds no guard: the graph then runs every size with those tiles (as
     Inductor tunes its own kernels on the example). With 4 lanes always, S3's compiled forward
-    took 0.423 ms against 0.354 eager (session 16). The ranges' local pass
-    (see `ranges`) keeps all states of a channel in one thread (LOCAL_NS = 1): it is bound by
-    the SFU, and 4 lanes repeated each step's softplus on every lane (S3 0.459 -> 0.396 ms,
-    session 8). FINER (see `ranges`) 2: S3 cut into 32 ranges 0.3635 ms, into 64 with 4 0.3669
-    (session 12; the backward keeps 4: 1.295 ms, 1.386 with the ranges FINER 2 gives). PRE
-    (steps a pass, 0: off; see scan_fwd.py): delta's bias and softplus once per step before the
-    tile loop, for launches of few warps in one range, where each warp's latency is the time:
-    S6 (640 warps) 28.1 -> 26.5 us as a CUDA graph. It costs float32 rows of the input's size
-    and their traffic: S1, S2, S4 (4-lane tiles, 1536-2048 warps) 15-19% slower with it. EPI
-    (see scan_fwd.py): the output's epilogue in the loop's layout, for 2-lane tiles: S7 0.681
-    -> 0.634 ms, S3 0.363 -> 0.353, S5 0.319 -> 0.279 (0.286 with PRE instead, 0.293 with
-    both); 4-lane tiles lose (S2 0.318 -> 0.381, S4 0.286 -> 0.296, S6 26.6 -> 27.5 us; session
-    14)."""
+    took 0.423 ms against 0.354 eager (session 16), 0.360 with the example's tiles (session 17).
+    The ranges' local pass (see `ranges`) keeps all states of a channel in one thread (LOCAL_NS
+    = 1): it is bound by the SFU, and 4 lanes repeated each step's softplus on every lane (S3
+    0.459 -> 0.396 ms, session 8). FINER (see `ranges`) 2: S3 cut into 32 ranges 0.3635 ms, into
+    64 with 4 0.3669 (session 12; the backward keeps 4: 1.295 ms, 1.386 with the ranges FINER 2
+    gives). PRE (steps a pass, 0: off; see scan_fwd.py): delta's bias and softplus once per step
+    before the tile loop, for launches of few warps in one range, where each warp's latency is
+    the time: S6 (640 warps) 28.1 -> 26.5 us as a CUDA graph. It costs float32 rows of the
+    input's size and their traffic: S1, S2, S4 (4-lane tiles, 1536-2048 warps) 15-19% slower
+    with it. EPI (see scan_fwd.py): the output's epilogue in the loop's layout, for 2-lane
+    tiles: S7 0.681 -> 0.634 ms, S3 0.363 -> 0.353, S5 0.319 -> 0.279 (0.286 with PRE instead,
+    0.293 with both); 4-lane tiles lose (S2 0.318 -> 0.381, S4 0.286 -> 0.296, S6 26.6 -> 27.5
+    us; session 14)."""
     T = 16 if dtype.itemsize <= 4 else 8
     if isinstance(seqlen, int) and seqlen % T != 0 and seqlen % (T // 2) == 0:
         T //= 2
