@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -148,50 +149,65 @@ def bc_tiles(seqlen, T: int):
     return _sym_max(cdiv(seqlen, T), 2)
 
 
-def bc_layout(B: Tensor, C: Tensor, T: int, NP: int) -> tuple | None:
-    """What `bc_blocks` derives from B's and C's shapes and strides alone (plans keep it: it
-    was a third of a small eager call's host time): the blocks' shapes, the launch's grid and
-    arguments, programs' tiles; None when neither is variable."""
+class BlockLayout(NamedTuple):
+    """What blocking B and C (`bc_blocks`) derives from their shapes and strides alone, which
+    plans keep: computing it took a third of a small eager call's host time."""
+
+    shapes: list  # of the blocks, one per variable source
+    grid: tuple
+    args: tuple  # the launch's scalars
+    options: dict  # its constexprs but PDL
+
+
+def bc_layout(B: Tensor, C: Tensor, T: int, NP: int) -> BlockLayout | None:
+    """The BlockLayout of blocking B and C into tiles of T steps and NP states; None when
+    neither is variable."""
     var = [t for t in (B, C) if t.dim() > 2]
     if not var:
         return None
     rows4 = [t if t.dim() == 4 else t.unsqueeze(1) for t in var]
     batch, _, dstate, seqlen = rows4[0].shape
     tiles = bc_tiles(seqlen, T)
-    shapes = [(batch, t.shape[1], tiles, NP, T) for t in rows4]
     G = _sym_max(rows4[0].shape[1], rows4[-1].shape[1])
     per_source = [a for t in (rows4[0], rows4[-1]) for a in (t.shape[1], *t.stride())]
-    args = (seqlen, dstate, tiles, G, *per_source)  # groups and strides of B's, then C's
     TILES = max(1, BC_BLOCK_ELEMENTS // (NP * T))
-    return shapes, (batch * G, cdiv(tiles, TILES), len(var)), args, TILES
+    return BlockLayout(
+        shapes=[(batch, t.shape[1], tiles, NP, T) for t in rows4],
+        grid=(batch * G, cdiv(tiles, TILES), len(var)),
+        args=(seqlen, dstate, tiles, G, *per_source),  # groups and strides of B's, then C's
+        options=dict(NP=NP, T=T, TILES=TILES, num_warps=4),
+    )
 
 
 def bc_blocks(
-    B: Tensor, C: Tensor, T: int, NP: int, dtype: torch.dtype, launchers=None, pdl=False,
-    layout=False,
-) -> tuple:  # fmt: skip
+    B: Tensor, C: Tensor, T: int, NP: int, dtype: torch.dtype, launchers=None, pdl=False
+) -> tuple:
     """(B, C) with each variable one, (batch, [groups,] dstate, seqlen) with any strides, as
     contiguous (batch, groups, bc_tiles(seqlen, T), NP, T) blocks in dtype, zero-padded in time
     and states: every (tile, state) row is T contiguous values the kernels load without masks
     or conversion. One launch for both (kernels/bc_blocks.py): torch's pad and copy took 4
     launches, 9.5 us of S6's 37 us forward (session 7). Costs one pass over B and C (batch *
-    groups * dstate * seqlen elements each, small next to u). Constant B/C pass through.
-    ``layout``: their `bc_layout`, when the caller has it."""
-    if layout is False:
-        layout = bc_layout(B, C, T, NP)
+    groups * dstate * seqlen elements each, small next to u). Constant B/C pass through."""
+    return blocked(bc_layout(B, C, T, NP), B, C, dtype, launchers, pdl)
+
+
+def blocked(
+    layout: BlockLayout | None, B: Tensor, C: Tensor, dtype: torch.dtype, launchers=None,
+    pdl=False,
+) -> tuple:  # fmt: skip
+    """`bc_blocks` given B's and C's layout."""
     if layout is None:
         return B, C
-    shapes, grid, args, TILES = layout
     var = [t for t in (B, C) if t.dim() > 2]
-    blocks = [var[0].new_empty(shape, dtype=dtype) for shape in shapes]
+    blocks = [var[0].new_empty(shape, dtype=dtype) for shape in layout.shapes]
     # One source is read as both; its blocks are written once, the spare output slot gets an
     # empty tensor: a tensor passed twice as a kernel's output is cloned twice when a traced
     # call is functionalized, and the clone kept was the one never written (opcheck of
     # constant B and grouped C failed on the H200; test_blocked_bc_outputs_distinct).
     second = blocks[1] if len(blocks) > 1 else blocks[0].new_empty((0,))
     tensors = (var[0], var[-1], blocks[0], second)
-    options = dict(NP=NP, T=T, TILES=TILES, PDL=pdl, num_warps=4)
-    _launch_kernel(launchers, _bc_blocks_kernel, grid, tensors, args, options, key=("bc", pdl))
+    _launch_kernel(launchers, _bc_blocks_kernel, layout.grid, tensors, layout.args,
+                   layout.options | {"PDL": pdl}, key=("bc", pdl))  # fmt: skip
     made = iter(blocks)
     return tuple(next(made) if t.dim() > 2 else t for t in (B, C))
 
@@ -447,8 +463,7 @@ class _Plan:
         """The kernels' leading tensor arguments: the inputs, variable B/C pre-blocked (letting
         the next launch start early with pdl), per-step inputs in padded rows where the plan
         says so."""
-        Bb, Cb = bc_blocks(B, C, self.cfg["T"], self.NP, self.cdt, self.launchers, pdl,
-                           self.bc_layout)  # fmt: skip
+        Bb, Cb = blocked(self.bc_layout, B, C, self.cdt, self.launchers, pdl)
         u, delta, z = (
             staged(t, self) if copy else t
             for t, copy in zip((u, delta, z), self.copied, strict=True)
