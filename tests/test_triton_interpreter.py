@@ -148,6 +148,11 @@ def test_triton_kernels_match_oracle(name, monkeypatch):
             assert rel_err(g, ref_grads[k]) < bound, k
 
 
+def blocked(B, C, T=4, NP=8) -> tuple:
+    """B and C blocked as the launchers block them (bc_layout, then bc_blocks), in float32."""
+    return scan.bc_blocks(scan.bc_layout(B, C, T, NP), B, C, torch.float32)
+
+
 def test_blocked_bc_layout():
     """bc_blocks: (batch, groups, tiles, NP, T), zero-padded in time and states, for B and C
     of other group counts and strides in one launch, or for either alone."""
@@ -155,16 +160,16 @@ def test_blocked_bc_layout():
     B = B.transpose(2, 3).contiguous().transpose(2, 3)
     C = torch.randn(2, 5, 21, device=DEVICE)
     const = torch.randn(7, 5, device=DEVICE)
-    for src, blocks in (*zip((B, C), scan.bc_blocks(B, C, 4, 8, torch.float32), strict=True),
-                        (B, scan.bc_blocks(B, const, 4, 8, torch.float32)[0]),
-                        (C, scan.bc_blocks(const, C, 4, 8, torch.float32)[1])):  # fmt: skip
+    for src, blocks in (*zip((B, C), blocked(B, C), strict=True),
+                        (B, blocked(B, const)[0]),
+                        (C, blocked(const, C)[1])):  # fmt: skip
         src = src if src.dim() == 4 else src.unsqueeze(1)
         want = torch.zeros(2, src.shape[1], 8, 24, device=DEVICE)
         want[:, :, :5, :21] = src
         assert blocks.shape == (2, src.shape[1], 6, 8, 4) and blocks.is_contiguous()
         want = want.unflatten(3, (6, 4)).transpose(2, 3)
         torch.testing.assert_close(blocks, want, rtol=0, atol=0)
-    assert scan.bc_blocks(const, const, 4, 8, torch.float32) == (const, const)
+    assert blocked(const, const) == (const, const)
 
 
 def test_blocked_bc_adds_no_guard_for_symbolic_seqlen():
@@ -172,7 +177,7 @@ def test_blocked_bc_adds_no_guard_for_symbolic_seqlen():
     nothing: a size-1 tile dimension used to add `ceil(seqlen / T) != 1`, which an export with a
     dynamic seqlen as short as T steps violates (seen exporting the LM on the GPU). Launches
     are recorded, not run: in a traced op they become wrap_triton's graph nodes."""
-    traced = make_fx(lambda B: scan.bc_blocks(B, B, 4, 8, torch.float32), tracing_mode="symbolic")
+    traced = make_fx(lambda B: blocked(B, B), tracing_mode="symbolic")
     graphs = []
     launches = offline.record_launches(lambda: graphs.append(traced(torch.randn(2, 4, 37))))
     assert [k for k, *_ in launches] == [_bc_blocks_kernel]
@@ -180,7 +185,7 @@ def test_blocked_bc_adds_no_guard_for_symbolic_seqlen():
     shape_env = next(iter(graph.graph.nodes)).meta["val"].fake_mode.shape_env
     assert [str(g.expr) for g in shape_env.guards] == []
     short = torch.randn(1, 4, 3, device=DEVICE)
-    assert scan.bc_blocks(short, short, 4, 8, torch.float32)[0].shape == (1, 1, 2, 8, 4)
+    assert blocked(short, short)[0].shape == (1, 1, 2, 8, 4)
 
 
 def test_blocked_bc_outputs_distinct():
@@ -191,9 +196,7 @@ def test_blocked_bc_outputs_distinct():
     on CPU showed the graph returning the 'Cb_ptr' clone. Launches are recorded, not run."""
     const, grouped = torch.randn(7, 4), torch.randn(2, 2, 4, 7)
     outputs = []
-    launches = offline.record_launches(
-        lambda: outputs.extend(scan.bc_blocks(const, grouped, 16, 4, torch.float32))
-    )
+    launches = offline.record_launches(lambda: outputs.extend(blocked(const, grouped, 16, 4)))
     ((_, grid, args, _),) = launches
     assert grid[2] == 1 and args[0] is args[1] is grouped  # one source, read as both
     assert args[2] is outputs[1] and args[3].numel() == 0 and outputs[0] is const

@@ -180,22 +180,16 @@ def bc_layout(B: Tensor, C: Tensor, T: int, NP: int) -> BlockLayout | None:
 
 
 def bc_blocks(
-    B: Tensor, C: Tensor, T: int, NP: int, dtype: torch.dtype, launchers=None, pdl=False
-) -> tuple:
-    """(B, C) with each variable one, (batch, [groups,] dstate, seqlen) with any strides, as
-    contiguous (batch, groups, bc_tiles(seqlen, T), NP, T) blocks in dtype, zero-padded in time
-    and states: every (tile, state) row is T contiguous values the kernels load without masks
-    or conversion. One launch for both (kernels/bc_blocks.py): torch's pad and copy took 4
-    launches, 9.5 us of S6's 37 us forward (session 7). Costs one pass over B and C (batch *
-    groups * dstate * seqlen elements each, small next to u). Constant B/C pass through."""
-    return blocked(bc_layout(B, C, T, NP), B, C, dtype, launchers, pdl)
-
-
-def blocked(
     layout: BlockLayout | None, B: Tensor, C: Tensor, dtype: torch.dtype, launchers=None,
     pdl=False,
 ) -> tuple:  # fmt: skip
-    """`bc_blocks` given B's and C's layout."""
+    """(B, C) with each variable one, (batch, [groups,] dstate, seqlen) with any strides, as
+    contiguous (batch, groups, bc_tiles(seqlen, T), NP, T) blocks in dtype, zero-padded in time
+    and states: every (tile, state) row is T contiguous values the kernels load without masks
+    or conversion. ``layout``: ``bc_layout(B, C, T, NP)``. One launch for both
+    (kernels/bc_blocks.py): torch's pad and copy took 4 launches, 9.5 us of S6's 37 us forward
+    (session 7). Costs one pass over B and C (batch * groups * dstate * seqlen elements each,
+    small next to u). Constant B/C pass through."""
     if layout is None:
         return B, C
     var = [t for t in (B, C) if t.dim() > 2]
@@ -463,7 +457,7 @@ class _Plan:
         """The kernels' leading tensor arguments: the inputs, variable B/C pre-blocked (letting
         the next launch start early with pdl), per-step inputs in padded rows where the plan
         says so."""
-        Bb, Cb = blocked(self.bc_layout, B, C, self.cdt, self.launchers, pdl)
+        Bb, Cb = bc_blocks(self.bc_layout, B, C, self.cdt, self.launchers, pdl)
         u, delta, z = (
             staged(t, self) if copy else t
             for t, copy in zip((u, delta, z), self.copied, strict=True)
