@@ -24,6 +24,7 @@ from selective_scan.kernels import offline, scan
 from selective_scan.kernels.bc_blocks import _bc_blocks_kernel
 from selective_scan.kernels.range_entries import _range_entries_kernel
 from selective_scan.kernels.scan import new_rows
+from selective_scan.kernels.scan_bwd import _scan_bwd_kernel
 from selective_scan.kernels.scan_fwd import _scan_fwd_kernel
 
 pytestmark = [
@@ -320,10 +321,20 @@ def test_traced_launchers_guard_alike_for_any_size(seqlen):
     batch, dim, seqlen = (next(iter(s.node.expr.free_symbols)) for s in u.shape)
     guards = [g.expr for g in env.guards]
     assert guards  # e.g. buffers of at least 2 elements
+    # Each scan launch is traced as a pair (checked_launches): the declaring kernel, then the
+    # plain one; for any sizes exactly one of them has programs, all the launch's.
+    scans = [(flags["ALIGN"], grid[0]) for kernel, grid, _, flags in launches
+             if kernel in (_scan_fwd_kernel, _scan_bwd_kernel)]  # fmt: skip
+    assert [align for align, _ in scans] == [scan.ALIGN_DECLARED, scan.ALIGN_PLAIN] * (
+        len(scans) // 2
+    )
     for sizes in itertools.product((2, 3, 8), (16, 64, 1536, 5120), (2, 7, 129, 999, 100_003)):
         values = {**hints, **dict(zip((batch, dim, seqlen), sizes, strict=True))}
         for expr in guards:
             assert bool(expr.xreplace(values)), (sizes, expr)
+        programs = [int(torch.sym_int(g).node.expr.xreplace(values)) for _, g in scans]
+        for declared, plain in zip(programs[::2], programs[1::2], strict=True):
+            assert declared + plain > 0 and (declared == 0) == (sizes[2] % 16 != 0), sizes
 
 
 def test_symbolic_plan_has_plain_constants():
@@ -369,7 +380,7 @@ def test_backward_align(seqlen, dout_layout, align):
         dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
     if dout_layout == "rows_of_2056":
         dout = torch.randn(2, 16, 2056, dtype=torch.bfloat16)[..., :seqlen]
-    assert scan.backward_align(p, dout) == align
+    assert scan.backward_align(p, dout)[0] == align
 
 
 def test_ranges_only_for_idle_gpus():

@@ -62,9 +62,10 @@ def _sym_max(a, b):
 
 
 # How a launch gets the divisibility its T-step vectors need (the kernels' ALIGN, see
-# _scan_fwd_kernel): from Triton's launch-time specialization (multiples of 16), declared by
-# the launcher (sizes known, multiples of T), or checked by the kernel at run time (sizes
-# symbolic while traced: Inductor passes them with no divisibility).
+# scan_fwd.py): from Triton's launch-time specialization (multiples of 16), declared by the
+# launcher (sizes known, multiples of T), or, while traced with symbolic sizes (Inductor passes
+# them with no divisibility), checked at run time: ALIGN_CHECKED launches both kernels with
+# complementary grids (`checked_launches`).
 ALIGN_PLAIN, ALIGN_DECLARED, ALIGN_CHECKED = 0, 1, 2
 
 
@@ -78,6 +79,22 @@ def align_mode(T: int, wide: bool, rows, *row_strides) -> int:
     if not all(v % T == 0 for v in sizes) or (all(v % 16 == 0 for v in sizes) and not wide):
         return ALIGN_PLAIN
     return ALIGN_DECLARED
+
+
+def checked_launches(grid: tuple, T: int, sizes) -> list[tuple[int, tuple]]:
+    """(ALIGN, grid) of the launches an ALIGN_CHECKED launch stands for: the declaring kernel
+    with the whole grid where all sizes are multiples of T at run time, else the plain one; the
+    other gets a grid of no program (a factor of 0 or 1, computed without a guard; launchers
+    skip empty grids). One kernel holding both bodies and testing the sizes took the larger
+    body's registers: 168 against 128 at S2, 242 against 168 at S7, and so fewer programs a
+    wave (S2 0.344 ms compiled against 0.317 eager, S7 0.698 against 0.634; session 18)."""
+    off = _sym_min(1, sum(v % T for v in sizes))  # 0: every size a multiple of T
+    parts = ((ALIGN_DECLARED, 1 - off), (ALIGN_PLAIN, off))
+    return [
+        (align, (grid[0] * k, *grid[1:]))
+        for align, k in parts
+        if not (isinstance(k, int) and k == 0)
+    ]
 
 
 # The fast layout wants rows of whole T-step vectors (ALIGN above). A known length that is not
@@ -507,11 +524,20 @@ def plan(cfg_fn, *inputs) -> _Plan:
     return found
 
 
-def _launch(p: _Plan, kernel, grid: tuple, tensors: tuple, scalars: tuple, flags: dict) -> None:
-    """kernel[grid](*tensors, *p.args, *scalars, **p.flags, **flags), see _launch_kernel.
-    ``scalars`` and ``flags`` are what the launch adds to the plan; they pick its launcher."""
-    _launch_kernel(p.launchers, kernel, grid, tensors, (*p.args, *scalars), p.flags | flags,
-                   key=(kernel, grid, scalars, *flags.values()))  # fmt: skip
+def _launch(p: _Plan, kernel, grid: tuple, tensors: tuple, scalars: tuple, flags: dict,
+            align_sizes: tuple) -> None:  # fmt: skip
+    """kernel[grid](*tensors, *p.args, *scalars, **p.flags, **flags), see _launch_kernel; an
+    ALIGN_CHECKED launch as the two of `checked_launches` on `align_sizes` (the rows' length
+    and the strides of the rows it reads and writes). ``scalars`` and ``flags`` are what the
+    launch adds to the plan; they pick its launcher."""
+    options = p.flags | flags
+    variants = [(options["ALIGN"], grid)]
+    if options["ALIGN"] == ALIGN_CHECKED:
+        variants = checked_launches(grid, p.cfg["T"], align_sizes)
+    for align, part in variants:
+        _launch_kernel(p.launchers, kernel, part, tensors, (*p.args, *scalars),
+                       options | {"ALIGN": align},
+                       key=(kernel, part, scalars, align, *flags.values()))  # fmt: skip
 
 
 def _launch_kernel(launchers, kernel, grid, tensors, args, options, key) -> None:
@@ -611,7 +637,7 @@ def scan_fwd(
         if pdl:  # the first launch only: the one right after the blocking launch
             flags["launch_pdl"] = True
             pdl = False
-        _launch(p, _scan_fwd_kernel, grid, tensors, strides, flags)
+        _launch(p, _scan_fwd_kernel, grid, tensors, strides, flags, (p.rows, *p.row_strides))
         if local:
             _range_entries(p, h_local, dt_sums, A, initial_state, reverse=False)
     return unpadded(out, p), last, ckpt
@@ -656,10 +682,12 @@ def one_wave_cap(p: _Plan, u: Tensor) -> dict:
     return {"maxnreg": 168} if 8 * sms < programs <= 12 * sms else {}
 
 
-def backward_align(p: _Plan, dout: Tensor) -> int:
-    """The backward's ALIGN: the plan's, for dout's rows too (declared when the inputs' rows
-    are multiples of 16 but dout's only of T; plain when dout is strided in time)."""
-    return align_mode(p.cfg["T"], p.flags["WIDE"], p.rows, *p.row_strides, *dout.stride()[:2])
+def backward_align(p: _Plan, dout: Tensor) -> tuple[int, tuple]:
+    """The backward's ALIGN and the sizes it is decided on: the plan's, and dout's rows
+    (declared when the inputs' rows are multiples of 16 but dout's only of T; plain when dout
+    is strided in time)."""
+    sizes = (p.rows, *p.row_strides, *dout.stride()[:2])
+    return align_mode(p.cfg["T"], p.flags["WIDE"], *sizes), sizes
 
 
 def _fresh(t: Tensor, like: Tensor) -> Tensor:
@@ -789,13 +817,13 @@ def scan_bwd(
         du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, dbias_part, dh0, dh_local, dt_sums,
     )  # fmt: skip
     scalars = (p.n_blocks, p.rows, *dout.stride(), *last_strides, *checkpoints.stride()[:3])
-    align = backward_align(p, dout)
+    align, align_sizes = backward_align(p, dout)
     cap = one_wave_cap(p, u)
     for local, grid, tiles in p.launches():
         # The cap is the full pass's (its grid, its kernel); the local pass is a smaller kernel.
         flags = dict(SOFTPLUS=delta_softplus, HAS_DLAST=dlast_state is not None, LOCAL=local,
                      KEEP_STEPS=keep, ALIGN=align, **tiles, **({} if local else cap))  # fmt: skip
-        _launch(p, _scan_bwd_kernel, grid, tensors, scalars, flags)
+        _launch(p, _scan_bwd_kernel, grid, tensors, scalars, flags, align_sizes)
         if local:
             _range_entries(p, dh_local, dt_sums, A, dlast_state, reverse=True)
 

@@ -89,7 +89,7 @@ def _bc_tile(row, t0, i, t_idx, const, i_idx, VAR: tl.constexpr, NP: tl.constexp
 
 
 @triton.jit
-def _scan_bwd_body(
+def _scan_bwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
     dout_ptr, dlast_ptr, ckpt_ptr, scratch_ptr,
     du_ptr, ddelta_ptr, dz_ptr, dA_ptr, dB_ptr, dC_ptr, dD_ptr, dbias_ptr, dh0_ptr,
@@ -105,8 +105,9 @@ def _scan_bwd_body(
     HAS_H0: tl.constexpr, HAS_DLAST: tl.constexpr, VARLEN: tl.constexpr,
     B_VAR: tl.constexpr, C_VAR: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr,
     STAGES: tl.constexpr, LOCAL: tl.constexpr, KEEP_STEPS: tl.constexpr,
-    WIDE: tl.constexpr, ALIGNED: tl.constexpr,
+    WIDE: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
+    ALIGNED: tl.constexpr = ALIGN == 1  # see ALIGN in kernels/scan.py
     WHOLE: tl.constexpr = WIDE and ALIGNED  # load whole tiles (see tile_masks)
     blk, seq, num_seqs = block_and_sequence(dim, BD)
     rng = tl.program_id(2)
@@ -362,57 +363,3 @@ def _scan_bwd_body(
         tl.store(dD_ptr + part_row, tl.sum(dD_acc, axis=2)[:, :, None], mask=row_ok)
     if HAS_BIAS:
         tl.store(dbias_ptr + part_row, tl.sum(dbias_acc, axis=2)[:, :, None], mask=row_ok)
-
-
-@triton.jit
-def _scan_bwd_kernel(
-    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
-    dout_ptr, dlast_ptr, ckpt_ptr, scratch_ptr,
-    du_ptr, ddelta_ptr, dz_ptr, dA_ptr, dB_ptr, dC_ptr, dD_ptr, dbias_ptr, dh0_ptr,
-    dhloc_ptr, dtsum_ptr,
-    dim, seqlen, RL, n_ranges,
-    s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An,
-    tiles, B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn,
-    s_D, s_bias, s_hb, s_hd, s_hn,
-    n_blocks, rows, s_ob, s_od, s_ot, s_lb, s_ld, s_ln, s_kb, s_kd, s_kc,
-    DSTATE: tl.constexpr, NS: tl.constexpr, NI: tl.constexpr, BD: tl.constexpr,
-    T: tl.constexpr, CKPT: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_H0: tl.constexpr, HAS_DLAST: tl.constexpr, VARLEN: tl.constexpr,
-    B_VAR: tl.constexpr, C_VAR: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr,
-    STAGES: tl.constexpr, LOCAL: tl.constexpr, KEEP_STEPS: tl.constexpr,
-    WIDE: tl.constexpr, ALIGN: tl.constexpr,
-):  # fmt: skip
-    # The body's loads and stores of T-step tiles are 16-byte vectors only where Triton
-    # knows that row offsets and range bounds are multiples of T; otherwise it lays the time
-    # axis across lanes, 3-5x slower. Its launch-time specialization knows multiples of 16
-    # (ALIGN 0, plain body). For other multiples of T the launcher declares them (ALIGN 1).
-    # Inductor passes symbolic sizes with no divisibility (torch.compile(dynamic=True),
-    # torch.export with dynamic dims): the kernel then tests the row strides and seqlen (the
-    # gradient outputs' rows) at run time (ALIGN 2) and takes the body declaring them if it can.
-    # WIDE: whole-tile loads, as in the forward.
-    aligned = ALIGN == 1
-    if ALIGN == 2:
-        aligned = ((s_ub | s_ud | s_db | s_dd | s_zb | s_zd | s_ob | s_od | seqlen | rows) % T) == 0
-    if aligned:
-        _scan_bwd_body(
-            u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
-            dout_ptr, dlast_ptr, ckpt_ptr, scratch_ptr, du_ptr, ddelta_ptr, dz_ptr, dA_ptr,
-            dB_ptr, dC_ptr, dD_ptr, dbias_ptr, dh0_ptr, dhloc_ptr, dtsum_ptr, dim, seqlen, RL,
-            n_ranges, s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An, tiles,
-            B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn, s_D, s_bias, s_hb,
-            s_hd, s_hn, n_blocks, rows, s_ob, s_od, s_ot, s_lb, s_ld, s_ln, s_kb, s_kd, s_kc,
-            DSTATE, NS, NI, BD, T, CKPT, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_H0, HAS_DLAST,
-            VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES, LOCAL, KEEP_STEPS, WIDE, True,
-        )  # fmt: skip
-    else:
-        _scan_bwd_body(
-            u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
-            dout_ptr, dlast_ptr, ckpt_ptr, scratch_ptr, du_ptr, ddelta_ptr, dz_ptr, dA_ptr,
-            dB_ptr, dC_ptr, dD_ptr, dbias_ptr, dh0_ptr, dhloc_ptr, dtsum_ptr, dim, seqlen, RL,
-            n_ranges, s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An, tiles,
-            B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn, s_D, s_bias, s_hb,
-            s_hd, s_hn, n_blocks, rows, s_ob, s_od, s_ot, s_lb, s_ld, s_ln, s_kb, s_kd, s_kc,
-            DSTATE, NS, NI, BD, T, CKPT, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_H0, HAS_DLAST,
-            VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES, LOCAL, KEEP_STEPS, WIDE, False,
-        )  # fmt: skip

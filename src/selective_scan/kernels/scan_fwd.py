@@ -32,9 +32,11 @@ EPI every lane runs the epilogue on all T steps in the loop's own layout and lan
 Steps outside [start, end) of the sequence (the head of the first tile, the tail of the last)
 get delta = 0, i.e. exp(0 * A) = 1 and no input: they carry the state through unchanged.
 
-The work is in ``_scan_fwd_body``; ``_scan_fwd_kernel`` picks the body's ALIGNED variant, which
-declares row offsets and range bounds multiples of T, where Triton's own specialization does
-not (see there). The backward is organized the same way.
+Loads and stores of T-step tiles are 16-byte vectors only where Triton knows that row offsets
+and range bounds are multiples of T; otherwise it lays the time axis across lanes, 3-5x slower.
+Its launch-time specialization knows multiples of 16 (ALIGN 0). ALIGN 1 declares multiples of
+T where the launcher knows them (see ALIGN in kernels/scan.py, which also covers traced calls,
+whose sizes are symbolic). The backward does the same.
 """
 
 import triton
@@ -58,7 +60,7 @@ from .common import (
 
 
 @triton.jit
-def _scan_fwd_body(
+def _scan_fwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
     out_ptr, last_ptr, ckpt_ptr, hloc_ptr, dtsum_ptr, pre_ptr,
     dim, seqlen, RL, n_ranges,
@@ -72,8 +74,9 @@ def _scan_fwd_body(
     HAS_H0: tl.constexpr, VARLEN: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
     ACC: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr, LOCAL: tl.constexpr,
     PRE: tl.constexpr, EPI: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):  # fmt: skip
+    ALIGNED: tl.constexpr = ALIGN == 1  # see ALIGN in kernels/scan.py
     WHOLE: tl.constexpr = WIDE and ALIGNED  # load whole tiles (see tile_masks)
     blk, seq, num_seqs = block_and_sequence(dim, BD)
     rng = tl.program_id(2)
@@ -220,54 +223,3 @@ def _scan_fwd_body(
         # written by the one program whose non-empty range ends there.
         spare_ok = row_ok & (end == seqlen) & (start < end)
         store_states(ckpt_tile + ((seqlen + CKPT - 1) // CKPT) * s_kc, 1, n_left, h, NI, spare_ok)
-
-
-@triton.jit
-def _scan_fwd_kernel(
-    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
-    out_ptr, last_ptr, ckpt_ptr, hloc_ptr, dtsum_ptr, pre_ptr,
-    dim, seqlen, RL, n_ranges,
-    s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An,
-    tiles, B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn,
-    s_D, s_bias, s_hb, s_hd, s_hn,
-    s_ob, s_od, s_kb, s_kd, s_kc, s_lb, s_ld,
-    DSTATE: tl.constexpr, NS: tl.constexpr, NI: tl.constexpr, BD: tl.constexpr,
-    T: tl.constexpr, CKPT: tl.constexpr,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_H0: tl.constexpr, VARLEN: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
-    ACC: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr, LOCAL: tl.constexpr,
-    PRE: tl.constexpr, EPI: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr,
-    ALIGN: tl.constexpr,
-):  # fmt: skip
-    # The body's loads and stores of T-step tiles are 16-byte vectors only where Triton
-    # knows that row offsets and range bounds are multiples of T; otherwise it lays the time
-    # axis across lanes, 3-5x slower. Its launch-time specialization knows multiples of 16
-    # (ALIGN 0, plain body). For other multiples of T the launcher declares them (ALIGN 1).
-    # Inductor passes symbolic sizes with no divisibility (torch.compile(dynamic=True),
-    # torch.export with dynamic dims): the kernel then tests the row strides and seqlen
-    # at run time (ALIGN 2) and takes the body declaring them when it can. WIDE launches
-    # (packed sequences, rows padded to a multiple of T by the launcher) load whole tiles
-    # in the declaring body, and do not declare the range bounds (see tile_masks).
-    aligned = ALIGN == 1
-    if ALIGN == 2:
-        aligned = ((s_ub | s_ud | s_db | s_dd | s_zb | s_zd | s_ob | s_od | seqlen) % T) == 0
-    if aligned:
-        _scan_fwd_body(
-            u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
-            out_ptr, last_ptr, ckpt_ptr, hloc_ptr, dtsum_ptr, pre_ptr, dim, seqlen, RL,
-            n_ranges, s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An, tiles,
-            B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn, s_D, s_bias, s_hb,
-            s_hd, s_hn, s_ob, s_od, s_kb, s_kd, s_kc, s_lb, s_ld, DSTATE, NS, NI, BD, T, CKPT,
-            HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_H0, VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES,
-            LOCAL, PRE, EPI, PDL, WIDE, True,
-        )  # fmt: skip
-    else:
-        _scan_fwd_body(
-            u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
-            out_ptr, last_ptr, ckpt_ptr, hloc_ptr, dtsum_ptr, pre_ptr, dim, seqlen, RL,
-            n_ranges, s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An, tiles,
-            B_groups, B_group, s_Bd, s_Bn, C_groups, C_group, s_Cd, s_Cn, s_D, s_bias, s_hb,
-            s_hd, s_hn, s_ob, s_od, s_kb, s_kd, s_kc, s_lb, s_ld, DSTATE, NS, NI, BD, T, CKPT,
-            HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, HAS_H0, VARLEN, B_VAR, C_VAR, ACC, FAST, STAGES,
-            LOCAL, PRE, EPI, PDL, WIDE, False,
-        )  # fmt: skip
