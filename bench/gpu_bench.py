@@ -220,12 +220,19 @@ def bench_modes(shape: str = "S6") -> dict:
     compile_s = time.perf_counter() - t0
     graph, static = _captured(compiled)
     eager_graph, _ = _captured(eager)
+    # The method's floor: a graph of one launch that does next to nothing, timed alike (the
+    # event pair, the graph's launch, after do_bench's L2 flush).
+    one = torch.zeros(1, device="cuda")
+    tiny_graph, _ = _captured(lambda: one.add_(1))
     result = {
         "eager_ms": do_bench(eager, warmup=50, rep=200, return_mode="median"),
         "compiled_ms": do_bench(compiled, warmup=50, rep=200, return_mode="median"),
         "cuda_graph_ms": do_bench(graph.replay, warmup=50, rep=200, return_mode="median"),
         "eager_cuda_graph_ms": do_bench(
             eager_graph.replay, warmup=50, rep=200, return_mode="median"
+        ),
+        "one_element_kernel_cuda_graph_ms": do_bench(
+            tiny_graph.replay, warmup=50, rep=200, return_mode="median"
         ),
         "compile_first_call_s": compile_s,
     }

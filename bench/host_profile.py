@@ -1,7 +1,8 @@
 """Where the host time of an eager scan call goes (GPU): per-call host time of the ops
-and of the public function, and a cProfile of the forward op's eager call by function.
+and of the public function, and a cProfile by function of the forward op's eager call (or of
+the public function's, without grad: its direct path).
 
-    python bench/host_profile.py [--shape S6] [--calls 200] [--top 25]
+    python bench/host_profile.py [--shape S6] [--calls 200] [--top 25] [--profile public]
 
 Host time = wall time of back-to-back calls without synchronization, per call, after warm-up
 (the kernels of these shapes are shorter than their launches, so the GPU waits on the host).
@@ -46,6 +47,7 @@ def main() -> None:
     parser.add_argument("--shape", default="S6")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--profile", choices=("op", "public"), default="op")
     args = parser.parse_args()
     x = make_bench_inputs(args.shape)
     inputs = [x[k] for k in SCAN_INPUTS]
@@ -67,10 +69,11 @@ def main() -> None:
     }
     for name, fn in calls.items():
         print(f"{args.shape} {name:30s} {host_us(fn, args.calls):9.1f} us host per call")
+    profiled = fwd_op if args.profile == "op" else calls["selective_scan_fn (no grad)"]
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.calls):
-        fwd_op()
+        profiled()
     profiler.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
