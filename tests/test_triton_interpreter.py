@@ -541,12 +541,11 @@ def test_one_wave_cap(programs, T, NP, eager, capped, monkeypatch):
     """The backward's register cap (eager launches on the GPU) only where it turns the grid of
     one-warp programs into one wave of 12 per SM (kernels/scan.py, one_wave_cap)."""
     monkeypatch.setattr(scan, "_sm_count", lambda device: 132)
-    p = types.SimpleNamespace(
-        launchers={} if eager else None, cfg=dict(T=T), NP=NP, n_blocks=programs // 8,
-        num_states=8, n_ranges=1,
-    )  # fmt: skip
+    p = types.SimpleNamespace(cfg=dict(T=T), NP=NP, n_blocks=programs // 8, num_states=8,
+                              n_ranges=1)  # fmt: skip
     u = types.SimpleNamespace(is_cuda=True, device="cuda:0")
-    assert scan.one_wave_cap(p, u) == ({"maxnreg": 168} if capped else {})
+    launchers = {} if eager else None  # the call's (see _Plan.direct)
+    assert scan.one_wave_cap(p, u, launchers) == ({"maxnreg": 168} if capped else {})
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])

@@ -468,13 +468,22 @@ class _Plan:
         # range), passed in their place: allocating them took 1-1.5 us of host time each.
         self.unused: Tensor | None = None
 
+    def direct(self, u: Tensor) -> dict[tuple, Launcher] | None:
+        """The launchers of this call's launches: the plan's direct ones (launch.py) when
+        launching now is plain eager on CUDA tensors, else None (through wrap_triton, which
+        tracing records). Decided once a call: the check took 3-4 us of host time a launch."""
+        if self.launchers is None or not u.is_cuda or not is_plain_eager((u,)):
+            return None
+        return self.launchers
+
     def tensors(
-        self, u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens, pdl=False
-    ) -> tuple:
-        """The kernels' leading tensor arguments: the inputs, variable B/C pre-blocked (letting
-        the next launch start early with pdl), per-step inputs in padded rows where the plan
-        says so."""
-        Bb, Cb = bc_blocks(self.bc_layout, B, C, self.cdt, self.launchers, pdl)
+        self, u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens, launchers=None,
+        pdl=False,
+    ) -> tuple:  # fmt: skip
+        """The kernels' leading tensor arguments: the inputs, variable B/C pre-blocked (with
+        this call's launchers, letting the next launch start early with pdl), per-step inputs
+        in padded rows where the plan says so."""
+        Bb, Cb = bc_blocks(self.bc_layout, B, C, self.cdt, launchers, pdl)
         u, delta, z = (
             staged(t, self) if copy else t
             for t, copy in zip((u, delta, z), self.copied, strict=True)
@@ -524,9 +533,10 @@ def plan(cfg_fn, *inputs) -> _Plan:
     return found
 
 
-def _launch(p: _Plan, kernel, grid: tuple, tensors: tuple, scalars: tuple, flags: dict,
-            align_sizes: tuple) -> None:  # fmt: skip
-    """kernel[grid](*tensors, *p.args, *scalars, **p.flags, **flags), see _launch_kernel; an
+def _launch(p: _Plan, launchers, kernel, grid: tuple, tensors: tuple, scalars: tuple,
+            flags: dict, align_sizes: tuple) -> None:  # fmt: skip
+    """kernel[grid](*tensors, *p.args, *scalars, **p.flags, **flags) with this call's launchers
+    (``p.direct``), see _launch_kernel; an
     ALIGN_CHECKED launch as the two of `checked_launches` on `align_sizes` (the rows' length
     and the strides of the rows it reads and writes). ``scalars`` and ``flags`` are what the
     launch adds to the plan; they pick its launcher."""
@@ -535,16 +545,16 @@ def _launch(p: _Plan, kernel, grid: tuple, tensors: tuple, scalars: tuple, flags
     if options["ALIGN"] == ALIGN_CHECKED:
         variants = checked_launches(grid, p.cfg["T"], align_sizes)
     for align, part in variants:
-        _launch_kernel(p.launchers, kernel, part, tensors, (*p.args, *scalars),
+        _launch_kernel(launchers, kernel, part, tensors, (*p.args, *scalars),
                        options | {"ALIGN": align},
                        key=(kernel, part, scalars, align, *flags.values()))  # fmt: skip
 
 
 def _launch_kernel(launchers, kernel, grid, tensors, args, options, key) -> None:
-    """kernel[grid](*tensors, *args, **options): directly for eager calls of a cached plan on
-    CUDA tensors (launch.py; ``launchers`` is the plan's, by ``key``), through wrap_triton
-    otherwise (traced, or the interpreter)."""
-    if launchers is None or not tensors[0].is_cuda or not is_plain_eager(tensors[:1]):
+    """kernel[grid](*tensors, *args, **options): directly with ``launchers`` (launch.py; the
+    plan's, by ``key``, for plain eager calls on CUDA tensors: ``_Plan.direct``), through
+    wrap_triton when it is None (traced, or the interpreter)."""
+    if launchers is None:
         wrap_triton(kernel)[grid](*tensors, *args, **options)
         return
     launcher = launchers.get(key)
@@ -580,8 +590,8 @@ def _range_buffers(u: Tensor, p: _Plan) -> tuple[Tensor, Tensor]:
 RANGE_BLOCK = 16
 
 
-def _range_entries(p: _Plan, local: Tensor, dt_sums: Tensor, A: Tensor, init: Tensor | None,
-                   reverse: bool) -> None:  # fmt: skip
+def _range_entries(p: _Plan, launchers, local: Tensor, dt_sums: Tensor, A: Tensor,
+                   init: Tensor | None, reverse: bool) -> None:  # fmt: skip
     """Turn the local launch's per-range results (see _range_buffers) into the state entering
     each range (forward; init = initial_state) or the gradient leaving it (backward, reverse;
     init = dlast_state), in place: kernels/range_entries.py."""
@@ -598,7 +608,7 @@ def _range_entries(p: _Plan, local: Tensor, dt_sums: Tensor, A: Tensor, init: Te
     tensors = (local, dt_sums, A, init)
     # The key holds every argument: a backward plan (keyed by the scan's inputs) serves calls
     # with and without dlast_state, of any strides.
-    _launch_kernel(p.launchers, _range_entries_kernel, grid, tensors, args, options,
+    _launch_kernel(launchers, _range_entries_kernel, grid, tensors, args, options,
                    key=(_range_entries_kernel, grid, *args, *options.values()))  # fmt: skip
 
 
@@ -627,9 +637,11 @@ def scan_fwd(
     h_local, dt_sums = _range_buffers(u, p)
     # PRE (see config): delta after its bias and softplus, in rows like out's (same strides).
     pre = new_rows(u, p, p.cdt) if p.cfg["PRE"] else _unused(u, p)
+    launchers = p.direct(u)
     # Eager launches only: Inductor's and AOTInductor's launchers set no launch attributes.
-    pdl = p.pdl and p.launchers is not None and is_plain_eager((u,))
-    tensors = (*p.tensors(*inputs, pdl=pdl), out, last, ckpt, h_local, dt_sums, pre)
+    pdl = p.pdl and launchers is not None
+    tensors = (*p.tensors(*inputs, launchers=launchers, pdl=pdl), out, last, ckpt, h_local,
+               dt_sums, pre)  # fmt: skip
     strides = (*out.stride()[:2], *ckpt.stride()[:3], *last.stride()[:2])
     for local, grid, tiles in p.launches():
         flags = dict(SOFTPLUS=delta_softplus, LOCAL=local, PRE=p.cfg["PRE"], EPI=p.cfg["EPI"],
@@ -637,9 +649,10 @@ def scan_fwd(
         if pdl:  # the first launch only: the one right after the blocking launch
             flags["launch_pdl"] = True
             pdl = False
-        _launch(p, _scan_fwd_kernel, grid, tensors, strides, flags, (p.rows, *p.row_strides))
+        _launch(p, launchers, _scan_fwd_kernel, grid, tensors, strides, flags,
+                (p.rows, *p.row_strides))  # fmt: skip
         if local:
-            _range_entries(p, h_local, dt_sums, A, initial_state, reverse=False)
+            _range_entries(p, launchers, h_local, dt_sums, A, initial_state, reverse=False)
     return unpadded(out, p), last, ckpt
 
 
@@ -662,17 +675,16 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def one_wave_cap(p: _Plan, u: Tensor) -> dict:
+def one_wave_cap(p: _Plan, u: Tensor, launchers) -> dict:
     """A register cap for the backward's full launch in an eager call on a GPU, where it turns
     that launch's grid into one wave. The backward's usual kernel (T = 8, 16 padded states)
     takes 255 registers: 8 one-warp programs per SM; capped at 168, 12. A grid of one to 1.5
     waves of 8 then fits one wave of 12: S1 1.31 -> 1.27 ms, S4 (float32) 1.44 -> 1.33
     (session 7, bench/NOTES.md). On fuller grids the cap's spills cost more than the occupancy
-    gains (S2 1.53 -> 2.05, S7 3.74 -> 4.27). Not for traced calls: wrap_triton takes no
-    register cap (their plans have no launchers)."""
+    gains (S2 1.53 -> 2.05, S7 3.74 -> 4.27). Only for direct launches (``launchers``, see
+    _Plan.direct): wrap_triton takes no register cap."""
     if (
-        p.launchers is None
-        or not u.is_cuda
+        launchers is None
         or "maxnreg" in p.cfg  # a tuning override (bench/tune_gpu.py) wins
         or (p.cfg["T"], p.NP) != (8, 16)
     ):
@@ -811,21 +823,22 @@ def scan_bwd(
     keep = p.cfg["KEEP_STEPS"]
     per_tile = p.cfg["BD"] * (NP + 2 * T * keep)  # see scratch in scan_bwd.py
     scratch = u.new_empty((programs * p.n_blocks * tiles_per_chunk * per_tile,), dtype=cdt)
+    launchers = p.direct(u)
     last_strides = (0, 0, 0) if dlast_state is None else dlast_state.stride()
     tensors = (
-        *p.tensors(*inputs), dout, dlast_state, checkpoints, scratch,
+        *p.tensors(*inputs, launchers=launchers), dout, dlast_state, checkpoints, scratch,
         du, ddelta, dz, dA_part, dB_part, dC_part, dD_part, dbias_part, dh0, dh_local, dt_sums,
     )  # fmt: skip
     scalars = (p.n_blocks, p.rows, *dout.stride(), *last_strides, *checkpoints.stride()[:3])
     align, align_sizes = backward_align(p, dout)
-    cap = one_wave_cap(p, u)
+    cap = one_wave_cap(p, u, launchers)
     for local, grid, tiles in p.launches():
         # The cap is the full pass's (its grid, its kernel); the local pass is a smaller kernel.
         flags = dict(SOFTPLUS=delta_softplus, HAS_DLAST=dlast_state is not None, LOCAL=local,
                      KEEP_STEPS=keep, ALIGN=align, **tiles, **({} if local else cap))  # fmt: skip
-        _launch(p, _scan_bwd_kernel, grid, tensors, scalars, flags, align_sizes)
+        _launch(p, launchers, _scan_bwd_kernel, grid, tensors, scalars, flags, align_sizes)
         if local:
-            _range_entries(p, dh_local, dt_sums, A, dlast_state, reverse=True)
+            _range_entries(p, launchers, dh_local, dt_sums, A, dlast_state, reverse=True)
 
     def empty():  # one placeholder per absent input: outputs must not alias each other
         return u.new_empty((0,))
