@@ -244,7 +244,7 @@ def bench_modes(shape: str = "S6") -> dict:
 
 def compile_modes(shape: str = "S1") -> dict:
     """The public function eager vs under torch.compile with static and with dynamic shapes
-    (symbolic sizes: the kernels then check their strides at run time, ALIGN 2), forward alone
+    (symbolic sizes: the grids pick the aligned or the plain kernels at run time), forward alone
     and forward + backward."""
     x = make_bench_inputs(shape)
     leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point())

@@ -105,9 +105,9 @@ def checked_launches(grid: tuple, T: int, sizes) -> list[tuple[int, tuple]]:
 # are contiguous in time but whose rows start off multiples of T (views) are copied likewise.
 # Inputs strided in time (channels last) are not: their loads are not vectors along time anyway.
 # Traced calls (torch.compile, torch.export) pad too when the length is a known int; with a
-# symbolic length they keep their rows (padding would guard on seqlen % T) and the kernels
-# test their alignment at run time instead. The copy of misaligned views is for eager calls
-# only: a traced view's strides may be symbolic too.
+# symbolic length they keep their rows (padding would guard on seqlen % T) and their alignment
+# picks the kernel at run time instead (checked_launches). The copy of misaligned views is for
+# eager calls only: a traced view's strides may be symbolic too.
 
 
 def padded(seqlen, T: int) -> bool:
