@@ -205,7 +205,8 @@ def test_blocked_bc_outputs_distinct():
 
 def test_align_modes():
     """Divisibility comes from Triton's specialization (multiples of 16), from the launcher
-    (other multiples of T), or from a run-time check in the kernel (symbolic sizes)."""
+    (other multiples of T), or from the sizes at run time (symbolic sizes: checked_launches;
+    its symbolic grids: test_traced_launchers_guard_alike_for_any_size)."""
     assert scan.align_mode(8, False, 2048, 1536 * 2048, 2048, 0, 0) == scan.ALIGN_PLAIN
     assert scan.align_mode(8, True, 2048, 1536 * 2048, 2048) == scan.ALIGN_DECLARED  # packed
     assert scan.align_mode(8, False, 1000, 1536 * 1000, 1000) == scan.ALIGN_DECLARED
@@ -215,6 +216,10 @@ def test_align_modes():
     )
     seqlen = next(iter(traced.graph.nodes)).meta["val"].shape[-1]  # a symbolic size
     assert scan.align_mode(8, False, seqlen, 16) == scan.ALIGN_CHECKED
+    # Known sizes leave one launch: the kernel they call for, with the whole grid.
+    grid = (12, 1, 3)
+    assert scan.checked_launches(grid, 8, (1000, 8000)) == [(scan.ALIGN_DECLARED, grid)]
+    assert scan.checked_launches(grid, 8, (1000, 8004)) == [(scan.ALIGN_PLAIN, grid)]
 
 
 @pytest.mark.parametrize(
