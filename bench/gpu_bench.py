@@ -242,36 +242,44 @@ def bench_modes(shape: str = "S6") -> dict:
     return result
 
 
+def leaf_args(x: dict) -> dict:
+    """The public function's arguments from bench inputs, as leaves that require grad."""
+    return {k: x[k].detach().clone().requires_grad_(x[k].is_floating_point())
+            if torch.is_tensor(x[k]) else x[k] for k in PUBLIC_ARGS}  # fmt: skip
+
+
+def train_step(args: dict, mode: str):
+    """A training step of the public function (loss = out.float().sum(), then backward) in
+    mode eager, static or dynamic (torch.compile of the loss; Dynamo does not trace
+    .backward(): it is called after)."""
+
+    def loss():
+        return selective_scan_fn(**args).float().sum()
+
+    if mode != "eager":
+        loss = torch.compile(loss, dynamic=mode == "dynamic", fullgraph=True)
+    return lambda: loss().backward()
+
+
 def compile_modes(shape: str = "S1") -> dict:
     """The public function eager vs under torch.compile with static and with dynamic shapes
     (symbolic sizes: the grids pick the aligned or the plain kernels at run time), forward alone
     and forward + backward."""
-    x = make_bench_inputs(shape)
-    leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point())
-              if torch.is_tensor(v) else v for k, v in x.items()}  # fmt: skip
-    args = {k: leaves[k] for k in PUBLIC_ARGS}
+    args = leaf_args(make_bench_inputs(shape))
 
     def fwd():
         with torch.no_grad():
             return selective_scan_fn(**args)
 
-    def loss():
-        return selective_scan_fn(**args).float().sum()
-
-    def compiled(f, mode: str):
-        if mode == "eager":
-            return f
-        return torch.compile(f, dynamic=mode == "dynamic", fullgraph=True)
-
     result = {}
     for mode in ("eager", "static", "dynamic"):
         torch._dynamo.reset()
-        compiled_loss = compiled(loss, mode)  # Dynamo does not trace .backward(): call it after
-
-        def train(compiled_loss=compiled_loss):
-            compiled_loss().backward()
-
-        for name, fn in (("fwd", compiled(fwd, mode)), ("fwd_bwd", train)):
+        fwd_mode = (
+            fwd
+            if mode == "eager"
+            else torch.compile(fwd, dynamic=mode == "dynamic", fullgraph=True)
+        )
+        for name, fn in (("fwd", fwd_mode), ("fwd_bwd", train_step(args, mode))):
             fn()
             result[f"{mode}_{name}_ms"] = do_bench(fn, warmup=25, rep=100, return_mode="median")
     return result

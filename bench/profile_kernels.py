@@ -2,13 +2,15 @@
 
     python bench/profile_kernels.py --shapes S1,S3 [--calls 5] [--plain] [--config b.BF16_PARTS=0]
     python bench/profile_kernels.py --shapes S7 --compiled
+    python bench/profile_kernels.py --shapes S1 --train
 
 Where `gpu_bench.py` reports the sum, this splits a call into its launches (the ranges' local
 pass, the main kernel, the partial-sum reductions, copies of padded rows), which is what a
 change to one of them must be judged by. `--plain` runs each call once without the profiler,
 for an outside profiler such as Nsight Compute (`ncu -k regex:_scan_bwd`). `--compiled` splits
 the public forward's eager call and its call under torch.compile(dynamic=True), compiled as
-`gpu_bench.py` compiles it, instead.
+`gpu_bench.py` compiles it, instead; `--train` a training step of the public function (its
+loss, backward and gradient accumulation) eager and compiled with static and dynamic shapes.
 """
 
 from __future__ import annotations
@@ -71,6 +73,18 @@ def compiled_calls(shape: str, seqlen: int | None):
     return (lambda: _public_fwd(x)), (lambda: compiled(x))
 
 
+def train_calls(shape: str, seqlen: int | None):
+    """(mode, training step) of the public function eager, compiled static and compiled dynamic
+    (as gpu_bench.py's compile_modes): a generator, since each compile follows a reset of
+    Dynamo, so a step must run before the next one is made."""
+    from gpu_bench import leaf_args, train_step
+
+    args = leaf_args(make_bench_inputs(shape, small_seqlen=seqlen))
+    for mode in ("eager", "static", "dynamic"):
+        torch._dynamo.reset()
+        yield f"{mode} train", train_step(args, mode)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="S1,S3")
@@ -81,13 +95,22 @@ def main() -> None:
     parser.add_argument(
         "--compiled", action="store_true", help="the public forward, eager and compiled"
     )
+    parser.add_argument(
+        "--train", action="store_true",
+        help="a training step of the public function, eager and compiled static and dynamic",
+    )  # fmt: skip
     args = parser.parse_args()
     use_config(parse(args.config))
-    names, of = (("fwd", "bwd"), calls_of)
-    if args.compiled:
-        names, of = (("eager fwd", "compiled fwd"), compiled_calls)
+
+    def named_calls(shape):
+        if args.train:
+            return train_calls(shape, args.seqlen)
+        names = ("eager fwd", "compiled fwd") if args.compiled else ("fwd", "bwd")
+        of = compiled_calls if args.compiled else calls_of
+        return zip(names, of(shape, args.seqlen), strict=True)
+
     for shape in args.shapes.split(","):
-        for direction, fn in zip(names, of(shape, args.seqlen), strict=True):
+        for direction, fn in named_calls(shape):
             if args.plain:
                 fn()
                 torch.cuda.synchronize()
