@@ -574,6 +574,17 @@ def test_broadcast_steps_are_copied(monkeypatch):
     assert scan.restaged(torch.ones(()).expand(2, 16, 64), False, 8)
     assert not scan.restaged(torch.ones(()).expand(2, 16, 1), False, 8)  # one step: no broadcast
     assert not scan.restaged(torch.ones(2, 16, 64), False, 8)
+    # Traced with symbolic sizes too (the stride is a plain 0): Inductor would otherwise
+    # materialize the broadcast once for each launch that reads it.
+    traced = []
+
+    def trace(x):
+        traced.append(scan.restaged(x.new_ones(()).expand(x.shape), False, 8))
+        traced.append(scan.restaged(x, False, 8))
+        return x.sum()
+
+    make_fx(trace, tracing_mode="symbolic")(torch.randn(2, 16, 64))
+    assert traced == [True, False]
 
     monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", "triton")
     x = make_inputs(device=DEVICE, batch=2, dim=8, dstate=4, seqlen=64)

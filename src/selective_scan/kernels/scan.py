@@ -117,20 +117,23 @@ def padded(seqlen, T: int) -> bool:
 
 def restaged(t: Tensor | None, pad: bool, T: int) -> bool:
     """Whether the per-step tensor t (batch, dim, seqlen) is copied into fresh rows: always
-    when rows are padded (whole-tile loads read the padding), else when it is a real tensor
-    contiguous in time with rows that do not start at multiples of T, or one whose steps are a
-    broadcast (time stride 0: an expanded tensor, such as the gradient of a sum). Triton lays
-    a broadcast load's steps across lanes: the backward's loop doubled to 3958 instructions per
-    tile, 782 of them shuffles, at S1 (offline SASS)."""
+    when rows are padded (whole-tile loads read the padding), else when its steps are a
+    broadcast (time stride 0: an expanded tensor, such as the gradient of a sum), or when it
+    is a real tensor contiguous in time with rows that do not start at multiples of T. Triton
+    lays a broadcast load's steps across lanes: the backward's loop doubled to 3958
+    instructions per tile, 782 of them shuffles, at S1 (offline SASS). Traced calls copy a
+    broadcast too (its stride is a plain 0, no guard): passed as it is, Inductor materialized
+    it once for each of the backward's four launches (a local and a full pass, each a pair of
+    checked_launches), 31 us each at S1 (session 18)."""
     if t is None:
         return False
     if pad:
         return True
+    strides = t.stride()
+    if type(strides[2]) is int and strides[2] == 0 and (is_fake(t) or t.shape[2] > 1):
+        return True
     if is_fake(t):
         return False
-    strides = t.stride()
-    if strides[2] == 0 and t.shape[2] > 1:
-        return True
     return strides[2] == 1 and (strides[0] % T != 0 or strides[1] % T != 0)
 
 
