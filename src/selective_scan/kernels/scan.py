@@ -474,7 +474,7 @@ class _Plan:
     def direct(self, u: Tensor) -> dict[tuple, Launcher] | None:
         """The launchers of this call's launches: the plan's direct ones (launch.py) when
         launching now is plain eager on CUDA tensors, else None (through wrap_triton, which
-        tracing records). Decided once a call: the check took 3-4 us of host time a launch."""
+        tracing records). Decided once a call, not at each of its launches (host time)."""
         if self.launchers is None or not u.is_cuda or not is_plain_eager((u,)):
             return None
         return self.launchers
