@@ -129,12 +129,10 @@ def restaged(t: Tensor | None, pad: bool, T: int) -> bool:
         return False
     if pad:
         return True
-    strides = t.stride()
-    if type(strides[2]) is int and strides[2] == 0 and (is_fake(t) or t.shape[2] > 1):
+    strides, fake = t.stride(), is_fake(t)
+    if type(strides[2]) is int and strides[2] == 0 and (fake or t.shape[2] > 1):
         return True
-    if is_fake(t):
-        return False
-    return strides[2] == 1 and (strides[0] % T != 0 or strides[1] % T != 0)
+    return not fake and strides[2] == 1 and (strides[0] % T != 0 or strides[1] % T != 0)
 
 
 def staged(t: Tensor, p: _Plan) -> Tensor:
@@ -438,7 +436,8 @@ class _Plan:
             0 if D is None else D.stride(0), 0 if delta_bias is None else delta_bias.stride(0),
             *_strides3(initial_state),
         )  # fmt: skip
-        self.row_strides = row_strides = (*u_s[:2], *delta_s[:2], *z_s[:2])
+        # What the launches' ALIGN is decided on: the rows' length and where they start.
+        self.align_sizes = (self.rows, *u_s[:2], *delta_s[:2], *z_s[:2])
         self.bc_layout = bc_layout(B, C, T, self.NP)
         wide = cu_seqlens is not None or pad
         self.flags = dict(
@@ -447,7 +446,7 @@ class _Plan:
             HAS_H0=initial_state is not None, VARLEN=cu_seqlens is not None,
             B_VAR=B.dim() > 2, C_VAR=C.dim() > 2, ACC=_tl_dtype(cdt), FAST=_fast_math(u, cdt),
             STAGES=cfg["STAGES"], num_warps=cfg["num_warps"],
-            WIDE=wide, ALIGN=align_mode(T, wide, self.rows, *row_strides),
+            WIDE=wide, ALIGN=align_mode(T, wide, *self.align_sizes),
             # A register cap only as a tuning override (bench/tune_gpu.py, eager calls).
             **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg else {}),
         )  # fmt: skip
@@ -539,10 +538,10 @@ def plan(cfg_fn, *inputs) -> _Plan:
 def _launch(p: _Plan, launchers, kernel, grid: tuple, tensors: tuple, scalars: tuple,
             flags: dict, align_sizes: tuple) -> None:  # fmt: skip
     """kernel[grid](*tensors, *p.args, *scalars, **p.flags, **flags) with this call's launchers
-    (``p.direct``), see _launch_kernel; an
-    ALIGN_CHECKED launch as the two of `checked_launches` on `align_sizes` (the rows' length
-    and the strides of the rows it reads and writes). ``scalars`` and ``flags`` are what the
-    launch adds to the plan; they pick its launcher."""
+    (``p.direct``), see _launch_kernel; an ALIGN_CHECKED launch as the two of
+    `checked_launches` on `align_sizes` (the rows' length and the strides of the rows it reads
+    and writes). ``scalars`` and ``flags`` are what the launch adds to the plan; they pick its
+    launcher."""
     options = p.flags | flags
     variants = [(options["ALIGN"], grid)]
     if options["ALIGN"] == ALIGN_CHECKED:
@@ -652,8 +651,7 @@ def scan_fwd(
         if pdl:  # the first launch only: the one right after the blocking launch
             flags["launch_pdl"] = True
             pdl = False
-        _launch(p, launchers, _scan_fwd_kernel, grid, tensors, strides, flags,
-                (p.rows, *p.row_strides))  # fmt: skip
+        _launch(p, launchers, _scan_fwd_kernel, grid, tensors, strides, flags, p.align_sizes)
         if local:
             _range_entries(p, launchers, h_local, dt_sums, A, initial_state, reverse=False)
     return unpadded(out, p), last, ckpt
@@ -701,7 +699,7 @@ def backward_align(p: _Plan, dout: Tensor) -> tuple[int, tuple]:
     """The backward's ALIGN and the sizes it is decided on: the plan's, and dout's rows
     (declared when the inputs' rows are multiples of 16 but dout's only of T; plain when dout
     is strided in time)."""
-    sizes = (p.rows, *p.row_strides, *dout.stride()[:2])
+    sizes = (*p.align_sizes, *dout.stride()[:2])
     return align_mode(p.cfg["T"], p.flags["WIDE"], *sizes), sizes
 
 
