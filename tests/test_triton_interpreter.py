@@ -80,11 +80,13 @@ CASES = {
     # The forward's PRE pass (delta's bias and softplus once per step, see config) runs in the
     # uncut cases above by default; here over ranges too, each of which starts past step 0.
     "pre-ranges": dict(seqlen=300, dstate=8, initial_state=True, fwd_tiles={"PRE": 64}),
-    # The forward's epilogue in the loop's layout (EPI, the default of 2-lane tiles), over
-    # ranges, with and without z.
+    # The forward's epilogue on the steps each lane selects (EPI, the default of 2-lane tiles),
+    # over ranges, with and without z, and over packed sequences (masks inside a lane's steps).
     "two-lane-epilogue": dict(seqlen=300, dstate=8, initial_state=True,
                               fwd_tiles={"NS": 2, "EPI": 1}),
     "two-lane-epilogue-no-z": dict(seqlen=41, dstate=16, z=False, fwd_tiles={"NS": 2, "EPI": 1}),
+    "two-lane-epilogue-packed": dict(batch=1, seqlen=150, cu_seqlens=[0, 10, 10, 64, 131, 150],
+                                     dstate=8, fwd_tiles={"NS": 2, "EPI": 1}),
     # As traced with symbolic sizes: the kernels test the strides' divisibility by T at run
     # time and take the body declaring it, or the plain one.
     "checked-aligned-ranges": dict(seqlen=300, dstate=8, initial_state=True, checked=True),
@@ -446,7 +448,7 @@ def test_traced_forward_tiles_are_the_examples(sizes):
 def test_forward_pre_pass_and_epilogue():
     """Delta's PRE pass only for launches of few warps in one range (S6, small calls), not for
     fuller ones (S1, S5, S7), cut sequences, or sizes unknown until run time; the epilogue in
-    the loop's layout (EPI) with 2-lane tiles only."""
+    the steps each lane selects (EPI) with 2-lane tiles only."""
     B = torch.empty(1, 16, 8)
 
     def pre(num_states, dim, seqlen, varlen=False):

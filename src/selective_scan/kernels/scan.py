@@ -289,10 +289,10 @@ def config(
     before the tile loop, for launches of few warps in one range, where each warp's latency is
     the time: S6 (640 warps) 28.1 -> 26.5 us as a CUDA graph. It costs float32 rows of the
     input's size and their traffic: S1, S2, S4 (4-lane tiles, 1536-2048 warps) 15-19% slower
-    with it. EPI (see scan_fwd.py): the output's epilogue in the loop's layout, for 2-lane
-    tiles: S7 0.681 -> 0.634 ms, S3 0.363 -> 0.353, S5 0.319 -> 0.279 (0.286 with PRE instead,
-    0.293 with both); 4-lane tiles lose (S2 0.318 -> 0.381, S4 0.286 -> 0.296, S6 26.6 -> 27.5
-    us; session 14)."""
+    with it. EPI (see scan_fwd.py): the output's epilogue on each lane's share of the steps,
+    selected in registers, for 2-lane tiles: S7 0.681 -> 0.625 ms, S3 0.363 -> 0.350, S5 0.319
+    -> 0.275 (sessions 14, 19); 4-lane tiles lose (S2 0.317 -> 0.381, S4 0.287 -> 0.297, S6
+    25.9 -> 27.6-28.2 us as a CUDA graph; session 19)."""
     T = 16 if dtype.itemsize <= 4 else 8
     if isinstance(seqlen, int) and seqlen % T != 0 and seqlen % (T // 2) == 0:
         T //= 2

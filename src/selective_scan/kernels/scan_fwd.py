@@ -23,11 +23,11 @@ PDL (eager calls, see Plan.pdl in kernels/scan.py) the launch may start while th
 launch before it runs: programs wait for it (gdc_wait) after the PRE pass, before the tile loop
 reads the blocks.
 
-The output's epilogue (D u, the gate silu(z), the store) takes y summed over a channel's lanes.
-By default it runs in the layout Triton gives [BD, 1, T] tiles (the steps spread over the
-lanes), which it reaches from the sum's through shared memory: on S6 the lane sum, that
-conversion and the epilogue took 42% of the tile loop's stall samples (ncu, session 14). With
-EPI every lane runs the epilogue on all T steps in the loop's own layout and lane 0 stores.
+The output's epilogue (D u, the gate silu(z), the store) takes y summed over a channel's lanes,
+which the sum leaves in every lane. By default it runs in the layout Triton gives [BD, 1, T]
+tiles (the steps spread over the lanes), which it reaches from the sum's through shared memory.
+With EPI, lane k of a channel selects steps [k T / NS, (k + 1) T / NS) of its copy in
+registers and runs the epilogue on those.
 
 Steps outside [start, end) of the sequence (the head of the first tile, the tail of the last)
 get delta = 0, i.e. exp(0 * A) = 1 and no input: they carry the state through unchanged.
@@ -197,19 +197,27 @@ def _scan_fwd_kernel(
                     c_i = pick(C_const, i_idx, i)[:, :, None]
                 y += hs * c_i
         if not LOCAL:
-            out = tl.sum(y, axis=1)[:, None, :]
-            spread = 0  # added to the rows' pointers
-            store_ok = m
-            if EPI:  # [BD, NS, T] pointers and values: the loop's layout, no conversion
+            out = tl.sum(y, axis=1)[:, None, :]  # every lane of a channel holds the sum
+            t_out, m_out, lm_out = t64, m, lm
+            if EPI:
+                # Lane k keeps steps [k Q, (k + 1) Q) of its own copy: a select in registers,
+                # where the [BD, 1, T] layout is reached through shared memory.
+                Q: tl.constexpr = T // NS
                 out += tl.zeros([BD, NS, T], ACC)
-                spread = lane * 0
-                store_ok = m & (lane == 0)
-            if HAS_D:
+                if HAS_D:
+                    out += Dv * uu
+                parts = tl.reshape(out, [BD, NS, NS, Q])  # [channel, lane, part, step]
+                part = tl.arange(0, NS)[None, None, :, None]
+                out = tl.sum(tl.where(lane[:, :, :, None] == part, parts, -0.0), axis=2)
+                t_q = t0 + lane * Q + tl.arange(0, Q)[None, None, :]  # [1, NS, Q]
+                m_out, lm_out = tile_masks(row_ok, t_q, start, end, seqlen, T, WHOLE)
+                t_out = t_q.to(tl.int64)
+            elif HAS_D:
                 out += Dv * uu
             if HAS_Z:
-                zz = time_tile(z_row + spread, t64, s_zt, m, lm, ACC, WHOLE)
+                zz = time_tile(z_row, t_out, s_zt, m_out, lm_out, ACC, WHOLE)
                 out *= zz * sigmoid(zz, FAST)
-            tl.store(out_row + spread + t64, out.to(out_ptr.dtype.element_ty), mask=store_ok)
+            tl.store(out_row + t_out, out.to(out_ptr.dtype.element_ty), mask=m_out)
     if LOCAL:
         store_states(hloc_ptr + (range_row + rng * range_step) * (NS * NI) + first_n, 1, n_left,
                      h, NI, row_ok)  # fmt: skip
