@@ -201,7 +201,7 @@ def _scan_fwd_kernel(
             t_out, m_out, lm_out = t64, m, lm
             if EPI:
                 # Lane k keeps steps [k Q, (k + 1) Q) of its own copy: a select in registers,
-                # where the [BD, 1, T] layout is reached through shared memory.
+                # where the default reaches the [BD, 1, T] layout through shared memory.
                 Q: tl.constexpr = T // NS
                 out += tl.zeros([BD, NS, T], ACC)
                 if HAS_D:
