@@ -68,14 +68,16 @@ def instrumented_kernel():
     """The forward kernel's source with the probes, compiled from a module file of its own
     (Triton reads a kernel's source from its file)."""
     src = Path(scan_fwd.__file__).read_text()
-    src = src.replace("from .common import", "from selective_scan.kernels.common import")
     head = "\n\n@triton.jit\ndef _scan_fwd_kernel("
-    src = src.replace(head, SPECIAL + head[2:])
-    src = src.replace("    ALIGN: tl.constexpr,\n):", "    ALIGN: tl.constexpr, tim_ptr,\n):")
-    for anchor, lines in PROBES.items():
-        if anchor not in src:
-            raise SystemExit(f"scan_fwd.py changed: no {anchor.strip()!r} to probe at")
-        src = src.replace(anchor, lines + anchor, 1)
+    edits = {
+        "from .common import": "from selective_scan.kernels.common import",
+        head: SPECIAL + head[2:],
+        "    ALIGN: tl.constexpr,\n):": "    ALIGN: tl.constexpr, tim_ptr,\n):",
+    } | {anchor: lines + anchor for anchor, lines in PROBES.items()}
+    for old, new in edits.items():
+        if old not in src:
+            raise SystemExit(f"scan_fwd.py changed: no {old.strip()!r} to edit")
+        src = src.replace(old, new, 1)
     path = Path(tempfile.mkdtemp()) / "scan_fwd_timed.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("scan_fwd_timed", path)
