@@ -7,10 +7,10 @@ The forward kernel has no timing hooks (they would cost every launch registers a
 instructions), so this script compiles an instrumented copy of its source: the GPU's
 nanosecond clock (%globaltimer) and cycle counter (%clock64) read at the program's start, before
 the tile loop and after it, and the SM and warp slot it ran on (%smid, %warpid), stored per
-program. It captures the arguments of one eager forward at the shape's inputs (first `dim`
-channels of each `--dims`) and launches the copy with them, warm and after flushing L2 as
-do_bench does, 7 times each; it prints the last run's percentiles and the loop's time by how
-many warps shared the program's SM and scheduler (warp slot mod 4).
+program. It captures the arguments of one eager forward at the shape's inputs (with each of
+`--dims` channels instead, as a shape of its own) and launches the copy with them, warm and
+after flushing L2 as do_bench does, 7 times each; it prints the last run's percentiles and the
+loop's time by how many warps shared the program's SM and scheduler (warp slot mod 4).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import make_bench_inputs
+import shapes
 
 from selective_scan.kernels import scan, scan_fwd
 
@@ -96,12 +96,11 @@ def captured_launch(shape: str, dim: int | None) -> tuple:
             launches.append((grid, tensors, args, dict(options)))
         return launch(launchers, kernel, grid, tensors, args, options, key)
 
-    inputs = make_bench_inputs(shape, device="cuda")
-    if dim is not None:  # the first dim channels
-        for k in ("u", "delta", "z"):
-            inputs[k] = inputs[k][:, :dim].contiguous()
-        for k in ("A", "D", "delta_bias"):
-            inputs[k] = inputs[k][:dim].contiguous()
+    if dim is not None:  # the shape with dim channels
+        batch, _, *rest = shapes.SHAPES[shape]
+        shape = f"{shape}_D{dim}"
+        shapes.SHAPES[shape] = (batch, dim, *rest)
+    inputs = shapes.make_bench_inputs(shape, device="cuda")
     softplus = inputs.pop("delta_softplus")
     scan._launch_kernel = capture
     try:
