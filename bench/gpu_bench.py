@@ -248,17 +248,23 @@ def leaf_args(x: dict) -> dict:
             if torch.is_tensor(x[k]) else x[k] for k in PUBLIC_ARGS}  # fmt: skip
 
 
+def in_mode(fn, mode: str):
+    """fn as run in mode eager (itself), static or dynamic (torch.compile, fullgraph)."""
+    if mode == "eager":
+        return fn
+    return torch.compile(fn, dynamic=mode == "dynamic", fullgraph=True)
+
+
 def train_step(args: dict, mode: str):
     """A training step of the public function (loss = out.float().sum(), then backward) in
-    mode eager, static or dynamic (torch.compile of the loss; Dynamo does not trace
-    .backward(): it is called after)."""
+    mode eager, static or dynamic (in_mode of the loss; Dynamo does not trace .backward(): it
+    is called after)."""
 
     def loss():
         return selective_scan_fn(**args).float().sum()
 
-    if mode != "eager":
-        loss = torch.compile(loss, dynamic=mode == "dynamic", fullgraph=True)
-    return lambda: loss().backward()
+    compiled_loss = in_mode(loss, mode)
+    return lambda: compiled_loss().backward()
 
 
 def compile_modes(shape: str = "S1") -> dict:
@@ -274,12 +280,7 @@ def compile_modes(shape: str = "S1") -> dict:
     result = {}
     for mode in ("eager", "static", "dynamic"):
         torch._dynamo.reset()
-        fwd_mode = (
-            fwd
-            if mode == "eager"
-            else torch.compile(fwd, dynamic=mode == "dynamic", fullgraph=True)
-        )
-        for name, fn in (("fwd", fwd_mode), ("fwd_bwd", train_step(args, mode))):
+        for name, fn in (("fwd", in_mode(fwd, mode)), ("fwd_bwd", train_step(args, mode))):
             fn()
             result[f"{mode}_{name}_ms"] = do_bench(fn, warmup=25, rep=100, return_mode="median")
     return result
