@@ -20,12 +20,12 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
 import types
 from pathlib import Path
-from unittest import mock
 
 import torch
 import triton
@@ -315,23 +315,39 @@ def broadcast_dout(shape: str = "S1") -> dict:
     }  # fmt: skip
 
 
-def cold_compile(shape: str = "S1") -> dict:
-    """Seconds of the first call in this process for fwd and bwd (Triton JIT compile), with an
-    empty Triton cache (a warmed or carried one would hold these kernels)."""
-    x = make_bench_inputs(shape, dtype="fp16")  # a dtype not compiled yet in this run
-    # Triton reads TRITON_CACHE_DIR at every compile.
-    with (
-        tempfile.TemporaryDirectory() as cache,
-        mock.patch.dict(os.environ, TRITON_CACHE_DIR=cache),
-    ):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out, _, ckpt = fwd_op(x)
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        bwd_op(x, torch.randn_like(out), ckpt)
-        torch.cuda.synchronize()
+def cold_call(shape: str) -> dict:
+    """Seconds of this process's first forward and backward call of a shape (bench inputs)."""
+    x = make_bench_inputs(shape)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out, _, ckpt = fwd_op(x)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    bwd_op(x, torch.randn_like(out), ckpt)
+    torch.cuda.synchronize()
     return {"fwd_first_call_s": t1 - t0, "bwd_first_call_s": time.perf_counter() - t1}
+
+
+def cold_compile() -> dict:
+    """cold_call of every shape, each in a fresh process with an empty Triton cache: the time
+    a first call spends compiling its configuration's kernels (the shapes' tiles, dtypes and
+    passes differ: S4 float32, S3 ranges, S3/S5/S7 2-lane tiles, S5 groups, S6 the PRE pass).
+    A process of its own, because kernels compiled earlier in this one stay in memory. About
+    140 s on the H200 (session 21): a call of its own, `--shapes '' --extras cold_compile`."""
+    result = {}
+    for shape in SHAPES:
+        with tempfile.TemporaryDirectory() as cache:
+            run = subprocess.run(
+                [sys.executable, __file__, "--cold-call", shape],
+                env=os.environ | {"TRITON_CACHE_DIR": cache},
+                capture_output=True, text=True, timeout=600,
+            )  # fmt: skip
+        if run.returncode == 0:
+            result[shape] = json.loads(run.stdout.strip().splitlines()[-1])
+        else:
+            result[shape] = {"error": run.stderr[-500:]}
+        print("  cold", shape, json.dumps(result[shape]), file=sys.stderr, flush=True)
+    return result
 
 
 def seqlen_sweep(shape: str = "S1") -> dict:
@@ -350,7 +366,7 @@ EXTRAS = {
     "modes_S6": bench_modes,
     "compile_modes_S1": compile_modes,
     "determinism_S1": determinism,
-    "cold_compile_S1_fp16": cold_compile,
+    "cold_compile": cold_compile,
     "broadcast_dout_S1": broadcast_dout,
     "seqlen_sweep_S1": seqlen_sweep,
 }
@@ -372,12 +388,17 @@ def main() -> None:
         "--warm", action="store_true",
         help="compile what the shapes and extras run, time and save nothing",
     )  # fmt: skip
+    parser.add_argument("--cold-call", help=argparse.SUPPRESS)  # cold_compile's processes
     args = parser.parse_args()
+    if args.cold_call:
+        print(json.dumps(cold_call(args.cold_call)))
+        return
     if args.warm:
         for shape in filter(None, args.shapes.split(",")):
             warm_shape(shape)
         for name in filter(None, args.extras.split(",")):
-            EXTRAS[name]()
+            if name != "cold_compile":  # compiles in processes of its own, into no shared cache
+                EXTRAS[name]()
         return
     compiled = set((args.shapes if args.compiled is None else args.compiled).split(","))
     out_dir = Path(args.out)
