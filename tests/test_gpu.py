@@ -51,6 +51,9 @@ GRID = [
     dict(seqlen=2049, b_form="grouped", c_form="constant", groups=2, D=False),
     dict(seqlen=300, z=False, delta_bias=False, initial_state=True),
     dict(batch=1, seqlen=3000, cu_seqlens=[0, 1, 1, 700, 2049, 3000], initial_state=True),
+    # The lanes kernel (scan_fwd_lanes.py) at S6's length; at 128 steps in 3 groups, float32
+    dict(batch=1, dim=640, seqlen=256, dtype=torch.bfloat16, initial_state=True),
+    dict(batch=2, dim=96, seqlen=128, b_form="grouped", c_form="grouped", groups=3),
     # dB/dC summed from bfloat16 partials of many blocks (96 a group; S1 has 192)
     dict(dim=1536, seqlen=512, dtype=torch.bfloat16, b_form="grouped", groups=2),
 ]
@@ -128,18 +131,21 @@ def test_backward_is_deterministic():
 
 
 def test_dependent_launch_equals_plain_launches(monkeypatch):
-    """The forward's scan launched while the B/C blocking launch runs (PDL, eager, S6's kind
-    of launch) gives what it gives launched after it, bit for bit, call after call, and in a
-    CUDA graph."""
+    """The forward's scan launched while the B/C blocking launch runs (PDL, eager, launches of
+    few warps that do not take the lanes kernel) gives what it gives launched after it, bit for
+    bit, call after call, and in a CUDA graph."""
     from selective_scan.kernels import scan
 
     inputs = make_inputs(device="cuda", batch=1, dim=512, dstate=16, seqlen=256,
                          dtype=torch.bfloat16)  # fmt: skip
     args = [inputs[k] for k in SCAN_INPUTS]
+    no_lanes = lambda *sizes: False  # noqa: E731
+    monkeypatch.setattr(scan, "lanes_fit", no_lanes)
     monkeypatch.setattr(scan, "_PLANS", {})
     monkeypatch.setattr(scan, "_has_pdl", lambda device: False)
     expected = OPS.scan_fwd_triton(*args, True)
     monkeypatch.undo()
+    monkeypatch.setattr(scan, "lanes_fit", no_lanes)
     monkeypatch.setattr(scan, "_PLANS", {})
     assert scan.plan(scan.config, *args).pdl
     calls = [OPS.scan_fwd_triton(*args, True) for _ in range(20)]

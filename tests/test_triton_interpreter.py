@@ -35,6 +35,7 @@ pytestmark = [
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUND = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
+LANES = {"LANES": 16, "NS": 1, "T": 16}  # the lanes kernel's tiles (scan.config)
 CASES = {
     # 300 steps: three 128-step chunks, cut into ranges (few channels), tail of a tile.
     "ranges-init": dict(seqlen=300, dstate=8, initial_state=True),
@@ -84,7 +85,8 @@ CASES = {
     # over ranges, with and without z, and over packed sequences (masks inside a lane's steps).
     "two-lane-epilogue": dict(seqlen=300, dstate=8, initial_state=True,
                               fwd_tiles={"NS": 2, "EPI": 1}),
-    "two-lane-epilogue-no-z": dict(seqlen=41, dstate=16, z=False, fwd_tiles={"NS": 2, "EPI": 1}),
+    "two-lane-epilogue-no-z": dict(seqlen=41, dstate=16, z=False,
+                                   fwd_tiles={"NS": 2, "EPI": 1, "LANES": 0}),
     "two-lane-epilogue-packed": dict(batch=1, seqlen=150, cu_seqlens=[0, 10, 10, 64, 131, 150],
                                      dstate=8, fwd_tiles={"NS": 2, "EPI": 1}),
     # As traced with symbolic sizes: the kernels test the strides' divisibility by T at run
@@ -97,7 +99,18 @@ CASES = {
     "traced-two-lane-epilogue": dict(seqlen=300, dstate=8, initial_state=True, checked=True,
                                      unpadded=True, fwd_tiles={"NS": 2, "EPI": 1}),
     "traced-pre-pass": dict(seqlen=41, dtype=torch.bfloat16, dstate=16, checked=True,
-                            unpadded=True, fwd_tiles={"PRE": scan.PRE_STEPS}),
+                            unpadded=True, fwd_tiles={"PRE": scan.PRE_STEPS, "LANES": 0,
+                                                      "NS": 4}),
+    # The forward with a channel's steps across 16 lanes (scan_fwd_lanes.py; chosen for CUDA
+    # launches of few channels and at most 256 steps, see config): one full chunk with an
+    # initial state; a padded tail with grouped B, constant C and padded states; an odd
+    # channel count (a program's second channel masked), three checkpoint slots, constant B.
+    "lanes-init": dict(seqlen=256, dstate=16, initial_state=True, fwd_tiles=LANES),
+    "lanes-bf16-padded-grouped": dict(seqlen=41, dtype=torch.bfloat16, dstate=5,
+                                      b_form="grouped", c_form="constant", D=False,
+                                      softplus=False, fwd_tiles=LANES),
+    "lanes-float32-odd-dim": dict(seqlen=130, dtype=torch.float32, dim=7, b_form="constant",
+                                  z=False, delta_bias=False, fwd_tiles=LANES),
 }  # fmt: skip
 
 
@@ -461,6 +474,31 @@ def test_forward_pre_pass_and_epilogue():
            for dim, seqlen in ((5120, 2048), (1536, 2048))}  # fmt: skip
     assert epi == {(5120, 2048): 1, (1536, 2048): 0}
     assert pre(1, 5120, ShapeEnv().create_unbacked_symint()) == 0
+
+
+def test_forward_lanes_kernel(monkeypatch):
+    """The lanes kernel (scan_fwd_lanes.py) where PRE would be chosen, for a known length of at
+    most 256 steps and a multiple of 16, without packed sequences, with variable B and C, in
+    float32 arithmetic on a GPU (here: as the offline compile sees a GPU), and only where every
+    per-step row loads as whole 16-byte vectors."""
+    monkeypatch.setattr(scan, "_fast_math", lambda u, cdt: cdt == torch.float32)
+
+    def lanes(num_states, dim, seqlen, varlen=False, dtype=torch.bfloat16, B=None, u=None):
+        B = torch.empty(1, 16, seqlen if isinstance(seqlen, int) else 8) if B is None else B
+        rows = () if u is None else (u,)
+        return scan.config(dim, 16, dtype, B, B, num_states, seqlen, varlen, rows)["LANES"]
+
+    assert lanes(1, 5120, 256) == lanes(2, 8, 48) == lanes(1, 8, 16, dtype=torch.float32) == 16
+    assert lanes(1, 5120, 257) == lanes(1, 8, 160, True) == lanes(8, 5120, 256) == 0
+    assert lanes(2, 8, 41) == lanes(1, 8, 7) == 0  # rows not whole vectors
+    assert lanes(1, 8, 64, dtype=torch.float64) == 0
+    assert lanes(1, 8, ShapeEnv().create_unbacked_symint()) == 0
+    assert lanes(1, 8, 64, B=torch.empty(8, 16)) == 0  # constant B
+    assert lanes(1, 8, 64, B=torch.empty(1, 16, 64, 2)[..., 0]) == 0  # a strided row
+    assert lanes(1, 8, 64, u=torch.empty(1, 8, 65)[..., 1:]) == 0  # rows not 16-byte aligned
+    assert lanes(1, 8, 64, u=torch.empty(1, 8, 64)) == 16
+    monkeypatch.undo()
+    assert lanes(1, 5120, 256) == 0  # CPU tensors: the tile kernel (see test_forward_lanes)
 
 
 def test_dependent_launch_right_after_blocking_only(monkeypatch):

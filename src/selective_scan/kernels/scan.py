@@ -40,6 +40,7 @@ from .launch import Launcher, is_plain_eager
 from .range_entries import _range_entries_kernel
 from .scan_bwd import _scan_bwd_kernel
 from .scan_fwd import _scan_fwd_kernel
+from .scan_fwd_lanes import LANES_STEPS, _scan_fwd_lanes_kernel
 
 CKPT = 128  # checkpoint interval (steps) of the Triton backend
 
@@ -236,6 +237,16 @@ def _bc_args(t: Tensor, dim) -> tuple:
     return groups, dim // groups, 0, 0
 
 
+def lanes_bc_args(t: Tensor, dim) -> tuple:
+    """(groups, channels per group, batch, group, state and step strides) of B or C as the
+    lanes kernel reads it, in place: a constant (dim, dstate) one as dim groups of one channel
+    and no step stride."""
+    if t.dim() == 2:
+        return dim, 1, 0, t.stride(0), t.stride(1), 0
+    rows = t if t.dim() == 4 else t.unsqueeze(1)
+    return rows.shape[1], dim // rows.shape[1], *rows.stride()
+
+
 def _fast_math(u: Tensor, cdt: torch.dtype) -> bool:
     """Use MUFU approximations (inline PTX) for log: float32 on a GPU, not the interpreter."""
     return u.is_cuda and cdt == torch.float32 and os.environ.get("TRITON_INTERPRET") != "1"
@@ -254,19 +265,28 @@ def size_hint(v) -> int | None:
     return hint if isinstance(hint, int) else None
 
 
-def _tiles(dim, dstate, B: Tensor, C: Tensor, T: int, NS: int) -> dict:
+def _tiles(dim, dstate, B: Tensor, C: Tensor, T: int, NS: int, lanes: int = 0) -> dict:
     """T steps per thread; the padded states split as NS lanes x NI per thread; CH channels per
     thread, so a program (num_warps warps) covers BD = CH * (32 / NS) * num_warps channels. For
     variable B/C, BD divides the channels of a group, so that a program's B/C tiles and dB/dC
-    partial sums belong to one group."""
+    partial sums belong to one group. LANES (scan_fwd_lanes.py): a channel's steps over that
+    many lanes instead, all states in each thread (NS = 1)."""
     n_pad = triton.next_power_of_2(dstate)
     NS = min(NS, n_pad)
-    cfg = dict(T=T, NS=NS, NI=n_pad // NS, CH=1, num_warps=1, STAGES=3)
+    cfg = dict(T=T, NS=NS, NI=n_pad // NS, CH=1, num_warps=1, STAGES=3, LANES=lanes)
     return _derive_block(cfg, dim, B, C)
 
 
 def config(
-    dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor, num_states=1, seqlen=None, varlen=False
+    dim,
+    dstate,
+    dtype: torch.dtype,
+    B: Tensor,
+    C: Tensor,
+    num_states=1,
+    seqlen=None,
+    varlen=False,
+    rows=(),
 ) -> dict:
     """Tiles of the forward (measured on the H200, bench/NOTES.md, session 6). T = 16 steps per
     thread (two 16-byte vectors of a 16-bit input, four of float32; 8 steps in float64): 10%
@@ -292,7 +312,10 @@ def config(
     with it. EPI (see scan_fwd.py): the output's epilogue on each lane's share of the steps,
     selected in registers, for 2-lane tiles: S7 0.681 -> 0.625 ms, S3 0.363 -> 0.350, S5 0.319
     -> 0.275 (sessions 14, 19); 4-lane tiles lose (S2 0.317 -> 0.381, S4 0.287 -> 0.297, S6
-    25.9 -> 27.6-28.2 us as a CUDA graph; session 19)."""
+    25.9 -> 27.6-28.2 us as a CUDA graph; session 19). LANES (scan_fwd_lanes.py, a channel's
+    steps across 16 lanes) where PRE would be chosen and `lanes_fit` holds (eager, at most 256
+    steps, CUDA): S6 as a CUDA graph 21.9-22.1 against 25.8-26.6 us (session 23). `rows`: the
+    per-step inputs (u, delta, z), for lanes_fit."""
     T = 16 if dtype.itemsize <= 4 else 8
     if isinstance(seqlen, int) and seqlen % T != 0 and seqlen % (T // 2) == 0:
         T //= 2
@@ -309,16 +332,59 @@ def config(
     cut = length is not None and ranges(dict(wide, BD=wide_bd), states, dims, length, varlen)[0] > 1
     if states * cdiv(dims, narrow_bd) >= TARGET_WARPS or cut:
         return narrow | {"EPI": 1}
-    if length is not None and states * cdiv(dims, wide_bd) < TARGET_WARPS // 2:
+    few = length is not None and states * cdiv(dims, wide_bd) < TARGET_WARPS // 2
+    if few and lanes_fit(dtype, B, C, seqlen, varlen, rows):
+        return _tiles(dim, dstate, B, C, 16, NS=1, lanes=16) | both
+    if few:
         return wide | {"PRE": PRE_STEPS}
     return wide
 
 
+def lanes_fit(dtype: torch.dtype, B: Tensor, C: Tensor, seqlen, varlen: bool, rows=()) -> bool:
+    """Whether the forward takes scan_fwd_lanes.py (LANES, see config): a known length of at
+    most 256 steps (16 lanes x 16) and a multiple of 16, no packed sequences, float32
+    arithmetic on a GPU, plain eager calls (traced launches take no register cap, see
+    LANES_MAXNREG), variable B and C, and B, C and the per-step inputs `rows` (u, delta, z) in
+    16-byte vectors: unit step stride, 16-byte aligned, other strides multiples of 16. Its PTX
+    scan needs each thread's steps in its registers in order, which Triton's layouts give only
+    when every load is whole vectors: with 7-step rows the lanes kernel was wrong on the H200
+    (session 23)."""
+    steps = LANES_STEPS[0] * LANES_STEPS[1]
+    if not (isinstance(seqlen, int) and seqlen <= steps and seqlen % 16 == 0 and not varlen):
+        return False
+    if B.dim() == 2 or C.dim() == 2:
+        return False
+    tensors = [t for t in (B, C, *rows) if t is not None]
+    cdt = torch.float64 if torch.float64 in (dtype, B.dtype, C.dtype) else torch.float32
+    return (
+        _fast_math(B, cdt) and is_plain_eager(tensors) and all(_whole_vectors(t) for t in tensors)
+    )
+
+
+def _whole_vectors(t: Tensor) -> bool:
+    """Rows of t load as whole 16-byte vectors (see lanes_fit)."""
+    return (
+        t.stride(-1) == 1 and all(s % 16 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
+    )
+
+
+# The lanes kernel's register cap in eager calls (direct launches; wrap_triton takes none): 96
+# registers leave five of its one-warp programs a scheduler, all of S6's 2560 in one wave; 118
+# uncapped gave four (S6 as a CUDA graph 28.1 against 25.4 us, session 22).
+LANES_MAXNREG = 96
 PRE_STEPS = 128  # see config: S6 26.5-26.7 us, 27.1 with 64 steps a pass, 28.1 with 256
 
 
 def bwd_config(
-    dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor, num_states=1, seqlen=None, varlen=False
+    dim,
+    dstate,
+    dtype: torch.dtype,
+    B: Tensor,
+    C: Tensor,
+    num_states=1,
+    seqlen=None,
+    varlen=False,
+    rows=(),  # the forward's (config), unused
 ) -> dict:
     """Tiles of the backward: one 16-byte vector of a 16-bit input per thread (T = 8; float32
     too, 4 in float64), 4 lanes per channel, for any length. Longer tiles or fewer lanes spill
@@ -337,6 +403,9 @@ def bwd_config(
 
 def _derive_block(cfg: dict, dim, B: Tensor, C: Tensor) -> dict:
     cfg["NI"] = max(cfg.get("NI", 1), 1)
+    if cfg.get("LANES"):  # the lanes kernel finds each channel's group itself
+        cfg["BD"] = 32 // cfg["LANES"] * cfg["num_warps"]
+        return cfg
     BD = cfg["CH"] * (32 // cfg["NS"]) * cfg["num_warps"]
     for t in (B, C):
         if t.dim() == 4:
@@ -411,7 +480,8 @@ class _Plan:
         self.dstate = guard_int(A.shape[1])
         self.num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
         varlen = cu_seqlens is not None
-        self.cfg = cfg = cfg_fn(dim, self.dstate, u.dtype, B, C, self.num_states, seqlen, varlen)
+        self.cfg = cfg = cfg_fn(dim, self.dstate, u.dtype, B, C, self.num_states, seqlen, varlen,
+                                (u, delta, z))  # fmt: skip
         self.NP = cfg["NS"] * cfg["NI"]
         self.n_blocks = cdiv(dim, cfg["BD"])
         # The ranges' local pass may split the states over other lanes (LOCAL_NS): its results
@@ -420,7 +490,9 @@ class _Plan:
         self.local_tiles = _derive_block(dict(cfg, NS=local_ns, NI=self.NP // local_ns), dim, B, C)
         self.n_ranges, range_len = ranges(cfg, self.num_states, dim, seqlen, varlen)
         T = cfg["T"]
-        self.pad = pad = padded(seqlen, T)
+        lanes = cfg.get("LANES", 0)
+        # The lanes kernel masks its steps: no padded rows.
+        self.pad = pad = padded(seqlen, T) and not lanes
         self.rows = cdiv(seqlen, T) * T if pad else seqlen
         # Which of u, delta, z are copied into padded rows (see `padded`), and their strides
         # as the kernels see them.
@@ -432,13 +504,14 @@ class _Plan:
         self.args = (
             dim, seqlen, range_len, self.n_ranges,
             *u_s, *delta_s, *z_s, *A.stride(),
-            bc_tiles(seqlen, T), *_bc_args(B, dim), *_bc_args(C, dim),
+            *(lanes_bc_args(B, dim) + lanes_bc_args(C, dim) if lanes else
+              (bc_tiles(seqlen, T), *_bc_args(B, dim), *_bc_args(C, dim))),
             0 if D is None else D.stride(0), 0 if delta_bias is None else delta_bias.stride(0),
             *_strides3(initial_state),
         )  # fmt: skip
         # What the launches' ALIGN is decided on: the rows' length and where they start.
         self.align_sizes = (self.rows, *u_s[:2], *delta_s[:2], *z_s[:2])
-        self.bc_layout = bc_layout(B, C, T, self.NP)
+        self.bc_layout = None if lanes else bc_layout(B, C, T, self.NP)
         wide = cu_seqlens is not None or pad
         self.flags = dict(
             DSTATE=self.dstate, NS=cfg["NS"], NI=cfg["NI"], BD=cfg["BD"], T=T, CKPT=CKPT,
@@ -645,13 +718,19 @@ def scan_fwd(
     tensors = (*p.tensors(*inputs, launchers=launchers, pdl=pdl), out, last, ckpt, h_local,
                dt_sums, pre)  # fmt: skip
     strides = (*out.stride()[:2], *ckpt.stride()[:3], *last.stride()[:2])
+    kernel, lanes = _scan_fwd_kernel, {}
+    if p.cfg["LANES"]:
+        full = p.seqlen == LANES_STEPS[0] * LANES_STEPS[1]  # no masks (scan_fwd_lanes.py)
+        kernel, lanes = _scan_fwd_lanes_kernel, {"LANES": p.cfg["LANES"], "FULL": full}
+        if launchers is not None and "maxnreg" not in p.cfg:  # see LANES_MAXNREG
+            lanes["maxnreg"] = LANES_MAXNREG
     for local, grid, tiles in p.launches():
         flags = dict(SOFTPLUS=delta_softplus, LOCAL=local, PRE=p.cfg["PRE"], EPI=p.cfg["EPI"],
-                     PDL=pdl, **tiles)  # fmt: skip
+                     PDL=pdl, **tiles, **lanes)  # fmt: skip
         if pdl:  # the first launch only: the one right after the blocking launch
             flags["launch_pdl"] = True
             pdl = False
-        _launch(p, launchers, _scan_fwd_kernel, grid, tensors, strides, flags, p.align_sizes)
+        _launch(p, launchers, kernel, grid, tensors, strides, flags, p.align_sizes)
         if local:
             _range_entries(p, launchers, h_local, dt_sums, A, initial_state, reverse=False)
     return unpadded(out, p), last, ckpt
