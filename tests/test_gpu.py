@@ -201,15 +201,18 @@ def test_direct_launches_equal_tritons(seqlen, monkeypatch):
     # Another specialization is another compiled kernel: equal up to rounding, not bitwise.
     for a, b in zip(scan_fwd_bwd(misaligned, dout), expected, strict=True):
         assert rel_err(a, b) < 1e-2
-    # B/C blocking (one launcher a plan) reads B and C, aligned in both cases; the range
-    # entries (a launcher each way when the sequence is cut) read the ranges' fresh buffers.
+    # Alignment is part of a plan's key (the lanes kernel needs aligned rows, scan.lanes_fit):
+    # the misaligned view gets plans of its own, forward and backward, each launcher one
+    # compiled kernel. B/C blocking (one launcher a plan), the range entries (a launcher each
+    # way when the sequence is cut).
+    assert len(scan._PLANS) == 4
     launchers = [lr for p in scan._PLANS.values() for lr in p.launchers.values()]
     by_u = [lr for lr in launchers if lr.kernel not in (_bc_blocks_kernel, _range_entries_kernel)]
     counts = [len(lr._compiled) for lr in by_u]
-    assert counts and counts == [2] * len(counts)  # aligned, misaligned
-    assert [len(lr._compiled) for lr in launchers if lr.kernel is _bc_blocks_kernel] == [1] * 2
+    assert counts and counts == [1] * len(counts)
+    assert [len(lr._compiled) for lr in launchers if lr.kernel is _bc_blocks_kernel] == [1] * 4
     entries = [len(lr._compiled) for lr in launchers if lr.kernel is _range_entries_kernel]
-    assert entries == [1] * 2
+    assert entries == [1] * 4
 
 
 def test_backward_with_unaligned_dout_rows():

@@ -595,7 +595,9 @@ def plan(cfg_fn, *inputs) -> _Plan:
     cached."""
     if is_fake(inputs[0]):
         return _Plan(cfg_fn, *inputs)
-    key = (cfg_fn, *[None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+    # 16-byte alignment too: the lanes kernel is chosen only for aligned rows (lanes_fit).
+    key = (cfg_fn, *[None if t is None else
+                     (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0)
                      for t in inputs])  # fmt: skip
     found = _PLANS.get(key)
     if found is None:
@@ -719,7 +721,7 @@ def scan_fwd(
                dt_sums, pre)  # fmt: skip
     strides = (*out.stride()[:2], *ckpt.stride()[:3], *last.stride()[:2])
     kernel, lanes = _scan_fwd_kernel, {}
-    if p.cfg["LANES"]:
+    if p.cfg.get("LANES"):
         full = p.seqlen == LANES_STEPS[0] * LANES_STEPS[1]  # no masks (scan_fwd_lanes.py)
         kernel, lanes = _scan_fwd_lanes_kernel, {"LANES": p.cfg["LANES"], "FULL": full}
         if launchers is not None and "maxnreg" not in p.cfg:  # see LANES_MAXNREG
