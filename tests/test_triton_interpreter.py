@@ -39,11 +39,12 @@ LANES = {"LANES": 16, "NS": 1, "T": 16}  # the lanes kernel's tiles (scan.config
 CASES = {
     # 300 steps: three 128-step chunks, cut into ranges (few channels), tail of a tile.
     "ranges-init": dict(seqlen=300, dstate=8, initial_state=True),
-    # 10 ranges: the range entries' launch takes them in more than one block of RANGE_BLOCK,
-    # forward and backward (the carry between blocks); padded states. A scaled down so that
-    # states last for ranges: with make_inputs' A, 128 steps decay them by ~1e-5, below the
-    # bound, and a wrong carry from two ranges back went unseen.
-    "many-ranges": dict(batch=1, seqlen=1200, dstate=5, initial_state=True, A_scale=0.01),
+    # 4 ranges, 3 folded by the range entries' launch in blocks of 2 (RANGE_BLOCK, 16 on a
+    # GPU): the carry between blocks, forward and backward; padded states. A scaled down so
+    # that states last for ranges: with make_inputs' A, 128 steps decay them by ~1e-5, below
+    # the bound, and a wrong carry from two ranges back went unseen.
+    "many-ranges": dict(batch=1, seqlen=500, dstate=5, initial_state=True, A_scale=0.01,
+                        range_block=2),
     # Strided in time (channels last), at a multiple of T: the kernels read these strides.
     "float64-constB-groupedC-strided": dict(
         seqlen=132, dtype=torch.float64, b_form="constant", c_form="grouped", D=False, z=False,
@@ -69,21 +70,20 @@ CASES = {
     # the tile-ordered partials summed and transposed into (batch, groups, dstate, seqlen).
     "bf16-blocks-grouped": dict(seqlen=64, dtype=torch.bfloat16, dim=32, dstate=5,
                                 b_form="grouped", c_form="grouped", groups=2),
-    # The backward's tile walk loading delta and softplus' from the scratch (KEEP_STEPS, the
-    # default for 16-bit inputs), in float32's tighter bound, across chunks and ranges.
-    "ranges-keep-steps": dict(seqlen=300, dstate=8, initial_state=True,
-                              bwd_tiles={"KEEP_STEPS": 1}),
     # The ranges' local passes take their own tiles by default (LOCAL_NS: all states of a
     # channel in one thread forward, 2 lanes backward); here the full passes' (4 lanes), with
     # grouped B.
-    "ranges-local-lanes": dict(seqlen=300, dstate=8, initial_state=True, b_form="grouped",
+    "ranges-local-lanes": dict(batch=1, seqlen=300, dstate=8, initial_state=True, b_form="grouped",
                                fwd_tiles={"LOCAL_NS": 4}, bwd_tiles={"LOCAL_NS": 4}),
     # The forward's PRE pass (delta's bias and softplus once per step, see config) runs in the
     # uncut cases above by default; here over ranges too, each of which starts past step 0.
-    "pre-ranges": dict(seqlen=300, dstate=8, initial_state=True, fwd_tiles={"PRE": 64}),
+    # And the backward's tile walk loading delta and softplus' from the scratch (KEEP_STEPS,
+    # the default for 16-bit inputs), in float32's tighter bound, across chunks and ranges.
+    "pre-ranges-keep-steps": dict(batch=1, seqlen=300, dstate=8, initial_state=True,
+                                  fwd_tiles={"PRE": 64}, bwd_tiles={"KEEP_STEPS": 1}),
     # The forward's epilogue on the steps each lane selects (EPI, the default of 2-lane tiles),
     # over ranges, with and without z, and over packed sequences (masks inside a lane's steps).
-    "two-lane-epilogue": dict(seqlen=300, dstate=8, initial_state=True,
+    "two-lane-epilogue": dict(batch=1, seqlen=300, dstate=8, initial_state=True,
                               fwd_tiles={"NS": 2, "EPI": 1}),
     "two-lane-epilogue-no-z": dict(seqlen=41, dstate=16, z=False,
                                    fwd_tiles={"NS": 2, "EPI": 1, "LANES": 0}),
@@ -91,26 +91,27 @@ CASES = {
                                      dstate=8, fwd_tiles={"NS": 2, "EPI": 1}),
     # As traced with symbolic sizes: the kernels test the strides' divisibility by T at run
     # time and take the body declaring it, or the plain one.
-    "checked-aligned-ranges": dict(seqlen=300, dstate=8, initial_state=True, checked=True),
+    "checked-aligned-ranges": dict(batch=1, seqlen=300, dstate=8, initial_state=True, checked=True),
     "checked-unaligned": dict(seqlen=41, dtype=torch.bfloat16, dstate=5, checked=True),
     # And with a symbolic length, whose rows are not padded (see scan.padded), in the tiles
     # traced calls take for such examples (see config): the last tile cut by masks, in 2-lane
     # tiles with EPI over ranges, and after a PRE pass.
-    "traced-two-lane-epilogue": dict(seqlen=300, dstate=8, initial_state=True, checked=True,
-                                     unpadded=True, fwd_tiles={"NS": 2, "EPI": 1}),
+    "traced-two-lane-epilogue": dict(batch=1, seqlen=300, dstate=8, initial_state=True,
+                                     checked=True, unpadded=True, fwd_tiles={"NS": 2, "EPI": 1}),
     "traced-pre-pass": dict(seqlen=41, dtype=torch.bfloat16, dstate=16, checked=True,
                             unpadded=True, fwd_tiles={"PRE": scan.PRE_STEPS, "LANES": 0,
                                                       "NS": 4}),
     # The forward with a channel's steps across 16 lanes (scan_fwd_lanes.py; chosen for CUDA
-    # launches of few channels and at most 256 steps, see config): one full chunk with an
-    # initial state; a padded tail with grouped B, constant C and padded states; an odd
-    # channel count (a program's second channel masked), three checkpoint slots, constant B.
-    "lanes-init": dict(seqlen=256, dstate=16, initial_state=True, fwd_tiles=LANES),
-    "lanes-bf16-padded-grouped": dict(seqlen=41, dtype=torch.bfloat16, dstate=5,
-                                      b_form="grouped", c_form="constant", D=False,
+    # launches of few channels and at most 256 steps in whole 16-byte vectors, see lanes_fit):
+    # one full chunk with an initial state; a masked tail with grouped B and C and padded
+    # states; an odd channel count (a program's second channel masked), three checkpoint slots.
+    # On a GPU these shapes take the lanes kernel without forcing it.
+    "lanes-init": dict(batch=1, seqlen=256, dstate=16, initial_state=True, fwd_tiles=LANES),
+    "lanes-bf16-masked-grouped": dict(seqlen=48, dtype=torch.bfloat16, dstate=5,
+                                      b_form="grouped", c_form="grouped", D=False,
                                       softplus=False, fwd_tiles=LANES),
-    "lanes-float32-odd-dim": dict(seqlen=130, dtype=torch.float32, dim=7, b_form="constant",
-                                  z=False, delta_bias=False, fwd_tiles=LANES),
+    "lanes-float32-odd-dim": dict(seqlen=144, dtype=torch.float32, dim=7, z=False,
+                                  delta_bias=False, fwd_tiles=LANES),
 }  # fmt: skip
 
 
@@ -131,6 +132,8 @@ def test_triton_kernels_match_oracle(name, monkeypatch):
     if case.pop("unpadded", False):
         monkeypatch.setattr(scan, "padded", lambda seqlen, T: False)
         monkeypatch.setattr(scan, "_PLANS", {})
+    if range_block := case.pop("range_block", None):
+        monkeypatch.setattr(scan, "RANGE_BLOCK", range_block)
     A_scale = case.pop("A_scale", 1.0)
     inputs = make_inputs(device=DEVICE, batch=case.pop("batch", 2), dim=case.pop("dim", 8),
                          **case)  # fmt: skip

@@ -238,13 +238,10 @@ def _bc_args(t: Tensor, dim) -> tuple:
 
 
 def lanes_bc_args(t: Tensor, dim) -> tuple:
-    """(groups, channels per group, batch, group, state and step strides) of B or C as the
-    lanes kernel reads it, in place: a constant (dim, dstate) one as dim groups of one channel
-    and no step stride."""
-    if t.dim() == 2:
-        return dim, 1, 0, t.stride(0), t.stride(1), 0
+    """(channels per group, batch, group, state and step strides) of a variable B or C as the
+    lanes kernel reads it, in place (lanes_fit leaves constant ones to the tile kernels)."""
     rows = t if t.dim() == 4 else t.unsqueeze(1)
-    return rows.shape[1], dim // rows.shape[1], *rows.stride()
+    return dim // rows.shape[1], *rows.stride()
 
 
 def _fast_math(u: Tensor, cdt: torch.dtype) -> bool:

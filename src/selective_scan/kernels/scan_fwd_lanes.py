@@ -160,10 +160,9 @@ def _prefetch_rows(ptr, k, s_n, s_t, DSTATE: tl.constexpr, LPR):
 
 
 @triton.jit
-def _bc_row(ptr, batch, ch, groups, per_group, s_b, s_g, blk, BD: tl.constexpr):
-    """Start of the B/C rows of channel ch: (batch, group, :, :) of a variable source, the
-    (channel, :) row of a constant one (groups = dim, per_group = 1, s_g its channel stride).
-    Also the program's rank among those of its group (they share its rows)."""
+def _bc_row(ptr, batch, ch, per_group, s_b, s_g, blk, BD: tl.constexpr):
+    """Start of the B/C rows (batch, group, :, :) of channel ch, and the program's rank among
+    those of its group (they share its rows)."""
     group = ch // per_group
     first_blk = (blk * BD // per_group) * per_group // BD
     return ptr + batch * s_b + group.to(tl.int64) * s_g, blk - first_blk
@@ -175,7 +174,7 @@ def _scan_fwd_lanes_kernel(
     out_ptr, last_ptr, ckpt_ptr, hloc_ptr, dtsum_ptr, pre_ptr,
     dim, seqlen, RL, n_ranges,
     s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An,
-    B_groups, B_group, s_Bb, s_Bg, s_Bn, s_Bt, C_groups, C_group, s_Cb, s_Cg, s_Cn, s_Ct,
+    B_group, s_Bb, s_Bg, s_Bn, s_Bt, C_group, s_Cb, s_Cg, s_Cn, s_Ct,
     s_D, s_bias, s_hb, s_hd, s_hn,
     s_ob, s_od, s_kb, s_kd, s_kc, s_lb, s_ld,
     DSTATE: tl.constexpr, NS: tl.constexpr, NI: tl.constexpr, BD: tl.constexpr,
@@ -190,6 +189,7 @@ def _scan_fwd_lanes_kernel(
     # come as they are, with their strides (see kernels/scan.py, lanes_bc_args). Ranges, packed
     # sequences, the PRE pass and EPI do not apply here (see config).
     tl.static_assert((LANES == 16) & (T == 16) & (BD * LANES == 32) & (not VARLEN))
+    tl.static_assert(B_VAR & C_VAR)  # see lanes_fit
     S: tl.constexpr = T
     DSTATE_P2: tl.constexpr = NS * NI  # the states padded to a power of two
     CH: tl.constexpr = LANES * S
@@ -198,7 +198,7 @@ def _scan_fwd_lanes_kernel(
     ch = blk * BD + tl.arange(0, BD)[:, None]  # [BD, 1]
     row_ok = ch < dim
     ch64 = ch.to(tl.int64)
-    in_bounds = (ch < dim) & (tl.arange(0, CH)[None, :] < seqlen)
+    in_bounds = row_ok & (tl.arange(0, CH)[None, :] < seqlen)
 
     if FAST:
         # Every channel of a group reads the group's B/C rows, state after state: from cold
@@ -207,14 +207,12 @@ def _scan_fwd_lanes_kernel(
         # The interpreter has no PTX.
         B_lines = (seqlen * B_ptr.dtype.element_ty.primitive_bitwidth + 1023) // 1024
         C_lines = (seqlen * C_ptr.dtype.element_ty.primitive_bitwidth + 1023) // 1024
-        if B_VAR:
-            B_start, k = _bc_row(B_ptr, batch, blk * BD, B_groups, B_group, s_Bb, s_Bg, blk, BD)
-            if k * 32 < DSTATE * B_lines:
-                _prefetch_rows(B_start, k, s_Bn, s_Bt, DSTATE, B_lines)
-        if C_VAR:
-            C_start, k = _bc_row(C_ptr, batch, blk * BD, C_groups, C_group, s_Cb, s_Cg, blk, BD)
-            if k * 32 < DSTATE * C_lines:
-                _prefetch_rows(C_start, k, s_Cn, s_Ct, DSTATE, C_lines)
+        B_start, k = _bc_row(B_ptr, batch, blk * BD, B_group, s_Bb, s_Bg, blk, BD)
+        if k * 32 < DSTATE * B_lines:
+            _prefetch_rows(B_start, k, s_Bn, s_Bt, DSTATE, B_lines)
+        C_start, k = _bc_row(C_ptr, batch, blk * BD, C_group, s_Cb, s_Cg, blk, BD)
+        if k * 32 < DSTATE * C_lines:
+            _prefetch_rows(C_start, k, s_Cn, s_Ct, DSTATE, C_lines)
 
     u_seq = u_ptr + batch * s_ub
     dt = _steps(delta_ptr + batch * s_db, blk, dim, seqlen, s_dd, s_dt, ACC, BD, LANES, S, FULL)
@@ -227,8 +225,8 @@ def _scan_fwd_lanes_kernel(
     if FAST:
         dt_sums = tl.sum(tl.reshape(dt, [BD, LANES, S]), axis=2)  # [BD, LANES]
 
-    # B/C rows (a constant B or C: a row of one value a channel, see lanes_bc_args); offsets
-    # computed once (per state, they took 40 of 246 instructions, offline SASS).
+    # B/C rows' offsets computed once (per state, they took 40 of 246 instructions, offline
+    # SASS).
     B_seq = B_ptr + batch * s_Bb
     C_seq = C_ptr + batch * s_Cb
     VB: tl.constexpr = 128 // B_ptr.dtype.element_ty.primitive_bitwidth
