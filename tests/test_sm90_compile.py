@@ -25,6 +25,10 @@ CASES = [
     dict(batch=1, dim=32, dstate=16, seqlen=37, dtype="bfloat16", cu_seqlens=[0, 5, 5, 37]),
     # Sequence ranges: both launches (local pass and main pass) of each direction.
     dict(batch=1, dim=8, dstate=16, seqlen=1024, dtype="bfloat16", initial_state=True),
+    # The lanes kernel (inline PTX scan): bfloat16 B/C in groups (widened by bit operations),
+    # padded states, masked steps; float32 B/C and an odd channel count.
+    {**GROUPED, "batch": 2, "dim": 8, "dstate": 5, "seqlen": 48, "dtype": "bfloat16"},
+    dict(batch=1, dim=7, dstate=16, seqlen=144, dtype="float32", initial_state=True),
 ]
 
 
@@ -39,3 +43,4 @@ def test_kernels_compile_for_sm90():
     assert result.returncode == 0, report
     assert result.stdout.count("ok ") == len(CASES), report
     assert "LOCAL=True" in result.stdout, report  # the ranges case reached the local pass
+    assert result.stdout.count("_scan_fwd_lanes_kernel") == 2, report
