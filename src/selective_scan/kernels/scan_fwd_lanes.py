@@ -21,8 +21,9 @@ lanes. Each per-step tensor (u, delta, z, and B/C, read in place with their stri
 therefore loaded flat, with an index e whose vector j, thread i and repeat r (e = r * 32 V +
 i V + j) map to channel c = i // LANES, step (i % LANES) T + r V + j; reshaped and permuted to
 [BD, LANES * T], each thread then holds its T steps in order (`_in_lanes`; no data moves). This
-holds only where every load is whole vectors (kernels/scan.py, lanes_fit). B/C rows are shared
-by a group's channels: its first programs prefetch them into L2 (`_prefetch_rows`).
+holds only where every load is whole vectors (kernels/scan.py, lanes_fit). bfloat16 B/C rows
+load as int32 pairs of steps (`_bc_rows`). B/C rows are shared by a group's channels: its first
+programs prefetch them into L2 (`_prefetch_rows`).
 
 The recurrence over a thread's steps and across lanes is inline PTX (FAST): Triton's
 associative_scan takes only blocked layouts, and converting these tiles into one went through
@@ -137,6 +138,40 @@ def _steps(ptr, blk, dim, seqlen, s_d, s_t, ACC: tl.constexpr, BD: tl.constexpr,
 
 
 @triton.jit
+def _bc_offsets(ptr, blk, dim, seqlen, s_g, s_t, per_group, BD: tl.constexpr,
+                LANES: tl.constexpr, S: tl.constexpr, FULL: tl.constexpr):  # fmt: skip
+    """Offsets and mask of the program's B or C rows (channel c's at (c // per_group) s_g) in
+    the flat index of _bc_rows' loads: bfloat16 rows as int32 pairs of steps (unit step
+    stride, even strides: lanes_fit), others as elements."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        offs, ok = _offsets(4, blk, dim, seqlen // 2, s_g // 2, 1, per_group, BD, LANES, S // 2,
+                            FULL)  # fmt: skip
+    else:
+        V: tl.constexpr = 128 // ptr.dtype.element_ty.primitive_bitwidth
+        offs, ok = _offsets(V, blk, dim, seqlen, s_g, s_t, per_group, BD, LANES, S, FULL)
+    return offs, ok
+
+
+@triton.jit
+def _bc_rows(row, offs, ok, ACC: tl.constexpr, BD: tl.constexpr, LANES: tl.constexpr,
+             S: tl.constexpr):  # fmt: skip
+    """One state's B or C rows (row: the state's start) as [BD, LANES * S] in ACC. bfloat16
+    is widened by bit operations, one a step, where Triton's conversion took 1.5 (PRMT and SHF
+    for the high half of each pair): the state loop went from 209 to 196 instructions (offline
+    SASS), S6's kernel from 16.75 to 16.51 us (bench/NOTES.md, session 24)."""
+    if row.dtype.element_ty == tl.bfloat16:
+        x = tl.load(row.to(tl.pointer_type(tl.int32), bitcast=True) + offs, mask=ok, other=0)
+        x = _in_lanes(x, 4, BD, LANES, S // 2)
+        low = (x << 16).to(tl.float32, bitcast=True)
+        high = (x & -65536).to(tl.float32, bitcast=True)  # 0xffff0000
+        rows = tl.reshape(tl.join(low, high), [BD, LANES * S])
+    else:
+        V: tl.constexpr = 128 // row.dtype.element_ty.primitive_bitwidth
+        rows = _in_lanes(tl.load(row + offs, mask=ok, other=0.0), V, BD, LANES, S)
+    return rows.to(ACC)
+
+
+@triton.jit
 def _lane_ends(x, BD: tl.constexpr, LANES: tl.constexpr, S: tl.constexpr):
     """[BD, LANES]: x at each thread's last step, by halving splits (register picks)."""
     x = tl.reshape(x, [BD, LANES, S])
@@ -229,10 +264,8 @@ def _scan_fwd_lanes_kernel(
     # SASS).
     B_seq = B_ptr + batch * s_Bb
     C_seq = C_ptr + batch * s_Cb
-    VB: tl.constexpr = 128 // B_ptr.dtype.element_ty.primitive_bitwidth
-    VC: tl.constexpr = 128 // C_ptr.dtype.element_ty.primitive_bitwidth
-    B_offs, B_ok = _offsets(VB, blk, dim, seqlen, s_Bg, s_Bt, B_group, BD, LANES, S, FULL)
-    C_offs, C_ok = _offsets(VC, blk, dim, seqlen, s_Cg, s_Ct, C_group, BD, LANES, S, FULL)
+    B_offs, B_ok = _bc_offsets(B_ptr, blk, dim, seqlen, s_Bg, s_Bt, B_group, BD, LANES, S, FULL)
+    C_offs, C_ok = _bc_offsets(C_ptr, blk, dim, seqlen, s_Cg, s_Ct, C_group, BD, LANES, S, FULL)
     lane = tl.arange(0, LANES)[None, :]  # [1, LANES]
     ckpt_row = ckpt_ptr + batch * s_kb + ch64 * s_kd  # [BD, 1]
     slot = (lane + 1) * S // CKPT  # the checkpoint after this lane's steps, if any
@@ -250,17 +283,15 @@ def _scan_fwd_lanes_kernel(
     h0 = tl.zeros([BD, 1], ACC)
     # Each state's B row and A are loaded one state ahead: their latency was a third of the
     # loop's stalls (ncu, session 22).
-    b_next = _in_lanes(tl.load(B_seq + B_offs, mask=B_ok, other=0.0).to(ACC), VB, BD, LANES, S)
+    b_next = _bc_rows(B_seq, B_offs, B_ok, ACC, BD, LANES, S)
     A_next = tl.load(A_ptr + ch64 * s_Ad, mask=row_ok, other=0.0).to(ACC)
     y = tl.zeros([BD, CH], ACC)
     for n in tl.range(0, DSTATE):
         b = b_next
         A2 = A_next * tl.full([1, 1], LOG2E, ACC)  # exact in float64 (a bare literal is fp32)
         n1 = tl.minimum(n + 1, DSTATE - 1)
-        b_next = _in_lanes(tl.load(B_seq + n1 * s_Bn + B_offs, mask=B_ok, other=0.0).to(ACC),
-                           VB, BD, LANES, S)  # fmt: skip
-        c = _in_lanes(tl.load(C_seq + n * s_Cn + C_offs, mask=C_ok, other=0.0).to(ACC), VC, BD,
-                      LANES, S)  # fmt: skip
+        b_next = _bc_rows(B_seq + n1 * s_Bn, B_offs, B_ok, ACC, BD, LANES, S)
+        c = _bc_rows(C_seq + n * s_Cn, C_offs, C_ok, ACC, BD, LANES, S)
         A_next = tl.load(A_ptr + ch64 * s_Ad + n1 * s_An, mask=row_ok, other=0.0).to(ACC)
         if HAS_H0:
             h0 = tl.load(h0_ptr + batch * s_hb + ch64 * s_hd + n * s_hn, mask=row_ok,
