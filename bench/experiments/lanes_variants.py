@@ -2,12 +2,12 @@
 forward: offline sm_90 SASS on any machine (`sass`), float64 checks under the Triton
 interpreter (`check`), CUDA-graph timings on a GPU (`time`, one process, rounds alternating).
 
-    python bench/experiments/lanes_variants.py sass base lanes32 [--maxnreg 64]
+    python bench/experiments/lanes_variants.py sass base lanes32 lanes32@72
     TRITON_INTERPRET=1 python bench/experiments/lanes_variants.py check lanes32
-    python bench/experiments/lanes_variants.py time base,lanes32 [--out DIR]
+    python bench/experiments/lanes_variants.py time base,lanes32,lanes32@72 [--out DIR]
 
 A variant is a list of (old, new) source edits, tile overrides for scan.config, and the
-register cap of eager launches (scan.LANES_MAXNREG).
+register cap of eager launches (scan.LANES_MAXNREG), which NAME@CAP replaces.
 """
 
 from __future__ import annotations
@@ -71,13 +71,15 @@ def variant_kernel(edits: list):
     return module._scan_fwd_lanes_kernel
 
 
-def use(name: str) -> None:
-    """Route the scan's eager launches through the variant."""
+def use(spec: str) -> int:
+    """Route the scan's eager launches through the variant NAME[@CAP]; its register cap."""
+    name, _, cap = spec.partition("@")
     v = VARIANTS[name]
     scan._scan_fwd_lanes_kernel = variant_kernel(v["edits"])
     scan.config = scan.overridden(ORIGINAL_CONFIG, v["tiles"])
-    scan.LANES_MAXNREG = v["maxnreg"]
+    scan.LANES_MAXNREG = int(cap) if cap else v["maxnreg"]
     scan._PLANS.clear()
+    return scan.LANES_MAXNREG
 
 
 ORIGINAL_CONFIG = scan.config
@@ -106,16 +108,15 @@ def state_loops(sass: str) -> list[tuple[int, dict]]:
     return loops
 
 
-def sass(names: list[str], maxnreg: int | None) -> None:
+def sass(names: list[str]) -> None:
     x = make_bench_inputs("S6", device="cpu")
     softplus = x.pop("delta_softplus")
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     for name in names:
-        use(name)
+        cap = use(name)
         launches = record_launches(lambda: scan.scan_fwd(**x, delta_softplus=softplus))
         kernel, _, args, kwargs = next(launch for launch in launches
                                        if launch[0] is scan._scan_fwd_lanes_kernel)  # fmt: skip
-        cap = maxnreg or VARIANTS[name]["maxnreg"]
         compiled = compile_sm90(kernel, args, dict(kwargs, maxnreg=cap))
         cubin = Path(tempfile.mkdtemp()) / f"{name}.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
@@ -154,11 +155,15 @@ def time(names: list[str], out_dir: str | None, rounds: int = 5) -> None:
     from triton.testing import do_bench
 
     x = make_bench_inputs("S6")
+    wide = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
+            for k, v in x.items()}  # fmt: skip
+    ref = selective_scan_ref(**wide)
     graphs, results = {}, {}
     for name in names:
         use(name)
-        selective_scan_fn(**x)
-        torch.cuda.synchronize()
+        out = selective_scan_fn(**x)
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        print(name, f"rel err against float64 {err:.2e}", flush=True)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             selective_scan_fn(**x)
@@ -177,12 +182,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["sass", "check", "time"])
     parser.add_argument("names", nargs="+")
-    parser.add_argument("--maxnreg", type=int)
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args()
     names = [n for arg in args.names for n in arg.split(",")]
     if args.mode == "sass":
-        sass(names, args.maxnreg)
+        sass(names)
     elif args.mode == "check":
         check(names)
     else:
