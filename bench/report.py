@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.util
 import os
 import platform
+import tempfile
 import traceback
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -35,3 +39,21 @@ def guarded(fn: Callable, *args) -> dict:
         return fn(*args)
     except Exception as e:
         return {"error": repr(e), "traceback": traceback.format_exc()[-3000:]}
+
+
+def edited_module(module: ModuleType, edits, name: str) -> ModuleType:
+    """A copy of one of the package's kernel modules with its source edited ((old, new) pairs,
+    each applied once), loaded from a file of its own: Triton reads a kernel's source from its
+    file, so experiments on a kernel go through such a copy."""
+    src = Path(module.__file__).read_text()
+    src = src.replace("from .common import", "from selective_scan.kernels.common import")
+    for old, new in edits:
+        if old not in src:
+            raise SystemExit(f"{Path(module.__file__).name} changed: no {old.strip()!r} to edit")
+        src = src.replace(old, new, 1)
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(name, path)
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    return copy

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shapes
+from report import edited_module
 
 from selective_scan.kernels import scan, scan_fwd
 
@@ -67,23 +66,12 @@ def _special32(x, code: tl.constexpr):
 def instrumented_kernel():
     """The forward kernel's source with the probes, compiled from a module file of its own
     (Triton reads a kernel's source from its file)."""
-    src = Path(scan_fwd.__file__).read_text()
     head = "\n\n@triton.jit\ndef _scan_fwd_kernel("
     edits = {
-        "from .common import": "from selective_scan.kernels.common import",
         head: SPECIAL + head[2:],
         "    ALIGN: tl.constexpr,\n):": "    ALIGN: tl.constexpr, tim_ptr,\n):",
     } | {anchor: lines + anchor for anchor, lines in PROBES.items()}
-    for old, new in edits.items():
-        if old not in src:
-            raise SystemExit(f"scan_fwd.py changed: no {old.strip()!r} to edit")
-        src = src.replace(old, new, 1)
-    path = Path(tempfile.mkdtemp()) / "scan_fwd_timed.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("scan_fwd_timed", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module._scan_fwd_kernel
+    return edited_module(scan_fwd, edits.items(), "scan_fwd_timed")._scan_fwd_kernel
 
 
 def captured_launch(shape: str, dim: int | None) -> tuple:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import json
 import os
 import re
@@ -29,6 +28,7 @@ import triton
 
 BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
+from report import edited_module  # noqa: E402
 from shapes import make_bench_inputs  # noqa: E402
 
 from selective_scan import selective_scan_fn, selective_scan_ref  # noqa: E402
@@ -54,21 +54,10 @@ VARIANTS = {
 
 
 def variant_kernel(edits: list):
-    """The lanes kernel with the source edits, compiled from a module file of its own."""
+    """The lanes kernel with the source edits."""
     if not edits:
         return scan_fwd_lanes._scan_fwd_lanes_kernel
-    src = Path(scan_fwd_lanes.__file__).read_text()
-    src = src.replace("from .common import", "from selective_scan.kernels.common import")
-    for old, new in edits:
-        if old not in src:
-            raise SystemExit(f"scan_fwd_lanes.py changed: no {old!r} to edit")
-        src = src.replace(old, new, 1)
-    path = Path(tempfile.mkdtemp()) / "lanes_variant.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("lanes_variant", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module._scan_fwd_lanes_kernel
+    return edited_module(scan_fwd_lanes, edits, "lanes_variant")._scan_fwd_lanes_kernel
 
 
 def use(spec: str) -> int:
