@@ -18,16 +18,15 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-import triton
 
 BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
+from inspect_kernels import resource_usage, sass_histogram  # noqa: E402
 from report import edited_module  # noqa: E402
 from shapes import make_bench_inputs  # noqa: E402
 
@@ -60,6 +59,9 @@ def variant_kernel(edits: list):
     return edited_module(scan_fwd_lanes, edits, "lanes_variant")._scan_fwd_lanes_kernel
 
 
+ORIGINAL_CONFIG = scan.config
+
+
 def use(spec: str) -> int:
     """Route the scan's eager launches through the variant NAME[@CAP]; its register cap."""
     name, _, cap = spec.partition("@")
@@ -69,9 +71,6 @@ def use(spec: str) -> int:
     scan.LANES_MAXNREG = int(cap) if cap else v["maxnreg"]
     scan._PLANS.clear()
     return scan.LANES_MAXNREG
-
-
-ORIGINAL_CONFIG = scan.config
 
 
 def state_loops(sass: str) -> list[tuple[int, dict]]:
@@ -100,7 +99,6 @@ def state_loops(sass: str) -> list[tuple[int, dict]]:
 def sass(names: list[str]) -> None:
     x = make_bench_inputs("S6", device="cpu")
     softplus = x.pop("delta_softplus")
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     for name in names:
         cap = use(name)
         launches = record_launches(lambda: scan.scan_fwd(**x, delta_softplus=softplus))
@@ -108,13 +106,10 @@ def sass(names: list[str]) -> None:
                                        if launch[0] is scan._scan_fwd_lanes_kernel)  # fmt: skip
         compiled = compile_sm90(kernel, args, dict(kwargs, maxnreg=cap))
         cubin = Path(tempfile.mkdtemp()) / f"{name}.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        text = subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(cubin)], capture_output=True,
-                              text=True).stdout  # fmt: skip
-        res = subprocess.run([str(bin_dir / "cuobjdump"), "-res-usage", str(cubin)],
-                             capture_output=True, text=True).stdout  # fmt: skip
-        usage = re.search(r"REG:\d+ STACK:\d+", res).group(0)
-        print(name, f"cap {cap}", usage, "state loop", state_loops(text), flush=True)
+        sass_histogram(compiled.asm["cubin"], cubin)  # writes the cubin and its .sass
+        text = cubin.with_suffix(".sass").read_text()
+        print(name, f"cap {cap}", resource_usage(cubin), "state loop", state_loops(text),
+              flush=True)  # fmt: skip
 
 
 def check(names: list[str]) -> None:
