@@ -256,7 +256,8 @@ def _scan_fwd_lanes_kernel(
     if SOFTPLUS:
         dt = softplus(dt, FAST)
     dt = tl.where(in_bounds, dt, 0.0)  # steps past the end carry the state: exp(0 A) = 1
-    dtu = dt * _steps(u_seq, blk, dim, seqlen, s_ud, s_ut, ACC, BD, LANES, S, FULL)
+    uu = _steps(u_seq, blk, dim, seqlen, s_ud, s_ut, ACC, BD, LANES, S, FULL)
+    dtu = dt * uu
     if FAST:
         dt_sums = tl.sum(tl.reshape(dt, [BD, LANES, S]), axis=2)  # [BD, LANES]
 
@@ -285,7 +286,11 @@ def _scan_fwd_lanes_kernel(
     # loop's stalls (ncu, session 22).
     b_next = _bc_rows(B_seq, B_offs, B_ok, ACC, BD, LANES, S)
     A_next = tl.load(A_ptr + ch64 * s_Ad, mask=row_ok, other=0.0).to(ACC)
+    # y starts at D u, from the u loaded for delta u: the epilogue reloaded u (S6 as a CUDA
+    # graph: 21.8 -> 21.0-21.2 us, bench/NOTES.md, session 25).
     y = tl.zeros([BD, CH], ACC)
+    if HAS_D:
+        y += tl.load(D_ptr + ch64 * s_D, mask=row_ok, other=0.0).to(ACC) * uu
     for n in tl.range(0, DSTATE):
         b = b_next
         A2 = A_next * tl.full([1, 1], LOG2E, ACC)  # exact in float64 (a bare literal is fp32)
@@ -318,9 +323,6 @@ def _scan_fwd_lanes_kernel(
         tl.store(ckpt_row + slot * s_kc + n, ends, mask=slot_ok)
         tl.store(last_row + n, ends, mask=row_ok & (lane == LANES - 1))
     out = y
-    if HAS_D:
-        uu = _steps(u_seq, blk, dim, seqlen, s_ud, s_ut, ACC, BD, LANES, S, FULL)
-        out += tl.load(D_ptr + ch64 * s_D, mask=row_ok, other=0.0).to(ACC) * uu
     if HAS_Z:
         zz = _steps(z_ptr + batch * s_zb, blk, dim, seqlen, s_zd, s_zt, ACC, BD, LANES, S, FULL)
         out *= zz * sigmoid(zz, FAST)
