@@ -41,11 +41,12 @@ def guarded(fn: Callable, *args) -> dict:
         return {"error": repr(e), "traceback": traceback.format_exc()[-3000:]}
 
 
-def edited_module(module: ModuleType, edits, name: str) -> ModuleType:
-    """A copy of one of the package's kernel modules with its source edited ((old, new) pairs,
-    each applied once), loaded from a file of its own: Triton reads a kernel's source from its
-    file, so experiments on a kernel go through such a copy."""
-    src = Path(module.__file__).read_text()
+def edited_module(module: ModuleType, edits, name: str, source: Path | None = None) -> ModuleType:
+    """A copy of one of the package's kernel modules (or of another version of it, at source)
+    with its source edited ((old, new) pairs, each applied once), loaded from a file of its
+    own: Triton reads a kernel's source from its file, so experiments on a kernel go through
+    such a copy."""
+    src = Path(source or module.__file__).read_text()
     src = src.replace("from .common import", "from selective_scan.kernels.common import")
     for old, new in edits:
         if old not in src:
