@@ -69,10 +69,11 @@ def z_prefetch_at(state: str) -> list:
     ]
 
 
-LANES16 = {"LANES": 16, "NS": 1, "T": 16}  # the committed kernel's tiles
+# A variant's tiles and register cap are the committed kernel's unless it says.
+LANES16 = {"LANES": 16, "NS": 1, "T": 16}
 VARIANTS = {
     # The committed kernel, its tiles forced (CPU tensors would take the tile kernels).
-    "base": dict(edits=[], tiles=LANES16, maxnreg=scan.LANES_MAXNREG),
+    "base": dict(edits=[]),
     # A channel's 256 steps over all 32 lanes, 8 a thread, one channel a warp (session 24,
     # offline: 121 instructions a state and no spills at 64 registers, against 196 a state for
     # two channels and 6 reloads at 96).
@@ -101,13 +102,11 @@ VARIANTS = {
                 " z_lines)\n",
             ),
         ],
-        tiles=LANES16,
-        maxnreg=scan.LANES_MAXNREG,
     ),
     # The same, later: at the start, z's lines queued behind delta's and u's (all programs
     # load theirs at once); mid-loop, DRAM is idle (session 25).
-    "zmid": dict(edits=z_prefetch_at("DSTATE // 2"), tiles=LANES16, maxnreg=scan.LANES_MAXNREG),
-    "z3q": dict(edits=z_prefetch_at("DSTATE * 3 // 4"), tiles=LANES16, maxnreg=scan.LANES_MAXNREG),
+    "zmid": dict(edits=z_prefetch_at("DSTATE // 2")),
+    "z3q": dict(edits=z_prefetch_at("DSTATE * 3 // 4")),
     # The per-state stores as inline PTX (Triton's coalescing pass gave them a layout of their
     # own, and `ends` a shuffle into it at every state), with the lanes' indices taken from each
     # thread's last step as `ends` is (session 25).
@@ -132,23 +131,17 @@ VARIANTS = {
                 "            dtype=tl.int32, is_pure=False, pack=1)\n",
             ),
         ],
-        tiles=LANES16,
-        maxnreg=scan.LANES_MAXNREG,
     ),
     # Probes, wrong results: the time of the gate (z's load, silu) and of the per-state
     # checkpoint and last-state stores, by leaving them out (session 25).
     "noz": dict(
         edits=[("    if HAS_Z:\n        zz = _steps(", "    if False:\n        zz = _steps(")],
-        tiles=LANES16,
-        maxnreg=scan.LANES_MAXNREG,
     ),
     "nostore": dict(
         edits=[
             ("        tl.store(ckpt_row + slot * s_kc + n, ends, mask=slot_ok)\n", ""),
             ("        tl.store(last_row + n, ends, mask=row_ok & (lane == LANES - 1))\n", ""),
         ],
-        tiles=LANES16,
-        maxnreg=scan.LANES_MAXNREG,
     ),
 }
 
@@ -161,7 +154,7 @@ def variant_kernel(edits: list, source: str | None = None):
     return copy._scan_fwd_lanes_kernel
 
 
-ORIGINAL_CONFIG = scan.config
+ORIGINAL_CONFIG, ORIGINAL_MAXNREG = scan.config, scan.LANES_MAXNREG
 
 
 def use(spec: str) -> int:
@@ -171,8 +164,8 @@ def use(spec: str) -> int:
     parts = [VARIANTS[name] for name in names.split("+")]  # a+b: both variants' edits
     v = parts[0]
     scan._scan_fwd_lanes_kernel = variant_kernel([e for p in parts for e in p["edits"]], source)
-    scan.config = scan.overridden(ORIGINAL_CONFIG, v["tiles"])
-    scan.LANES_MAXNREG = int(cap) if cap else v["maxnreg"]
+    scan.config = scan.overridden(ORIGINAL_CONFIG, v.get("tiles", LANES16))
+    scan.LANES_MAXNREG = int(cap) if cap else v.get("maxnreg", ORIGINAL_MAXNREG)
     scan._PLANS.clear()
     return scan.LANES_MAXNREG
 
