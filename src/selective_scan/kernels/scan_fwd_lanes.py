@@ -287,7 +287,7 @@ def _scan_fwd_lanes_kernel(
     b_next = _bc_rows(B_seq, B_offs, B_ok, ACC, BD, LANES, S)
     A_next = tl.load(A_ptr + ch64 * s_Ad, mask=row_ok, other=0.0).to(ACC)
     # y starts at D u, from the u loaded for delta u: the epilogue reloaded u (S6 as a CUDA
-    # graph: 21.8 -> 21.0-21.2 us, bench/NOTES.md, session 25).
+    # graph, two calls: 21.8 -> 21.1-21.2 us, bench/NOTES.md, session 25).
     y = tl.zeros([BD, CH], ACC)
     if HAS_D:
         y += tl.load(D_ptr + ch64 * s_D, mask=row_ok, other=0.0).to(ACC) * uu
