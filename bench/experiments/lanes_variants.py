@@ -271,7 +271,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT"))
     parser.add_argument("--dstates", default="16", help="time: comma-separated state counts")
     args = parser.parse_args()
-    names = [n for arg in args.names for n in arg.split(",")]
+    names = list(dict.fromkeys(n for arg in args.names for n in arg.split(",")))  # once each
     if args.mode == "sass":
         sass(names)
     elif args.mode == "check":
