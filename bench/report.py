@@ -46,11 +46,13 @@ def edited_module(module: ModuleType, edits, name: str, source: Path | None = No
     with its source edited ((old, new) pairs, each applied once), loaded from a file of its
     own: Triton reads a kernel's source from its file, so experiments on a kernel go through
     such a copy."""
-    src = Path(source or module.__file__).read_text()
-    src = src.replace("from .common import", "from selective_scan.kernels.common import")
+    origin = Path(source or module.__file__)
+    src = origin.read_text().replace(
+        "from .common import", "from selective_scan.kernels.common import"
+    )
     for old, new in edits:
         if old not in src:
-            raise SystemExit(f"{Path(module.__file__).name} changed: no {old.strip()!r} to edit")
+            raise SystemExit(f"{origin.name} changed: no {old.strip()!r} to edit")
         src = src.replace(old, new, 1)
     path = Path(tempfile.mkdtemp()) / f"{name}.py"
     path.write_text(src)
