@@ -65,7 +65,7 @@ def test_options_real_tiles(case):
     check_against_oracle(make_inputs(device="cuda", **case))
 
 
-@pytest.mark.parametrize("dstate", [1, 4, 12, 64])
+@pytest.mark.parametrize("dstate", [1, 4, 12, 32, 64, 256])
 def test_dstate(dstate):
     check_against_oracle(make_inputs(device="cuda", batch=2, dim=40, dstate=dstate, seqlen=333))
 

@@ -66,9 +66,12 @@ CASES = {
     "bf16-padded-states-nosoftplus": dict(seqlen=41, dtype=torch.bfloat16, dstate=5,
                                           softplus=False),
     "one-step": dict(seqlen=1, dstate=16, c_form="constant"),
-    # 64 states: test_gpu's test_dstate[64] is compile-bound on the H200 and has not finished
-    # there since session 14.
+    # More than 16 states split over more lanes (scan.STATE_LANES): 64 (forward 4 lanes, 16
+    # states a thread; backward 16 lanes), 256 over a whole warp, one channel a program, with
+    # grouped B; 64 cut into three ranges (the local passes' splits: 4 and 8 lanes).
     "states-64": dict(batch=1, dim=3, seqlen=41, dstate=64),
+    "states-256-grouped": dict(batch=1, dim=2, seqlen=20, dstate=256, b_form="grouped"),
+    "states-64-ranges": dict(batch=1, dim=1, seqlen=260, dstate=64, initial_state=True),
     # dB/dC from bfloat16 partials of 2 blocks a group (32 channels, BD = 8), padded states:
     # the tile-ordered partials summed and transposed into (batch, groups, dstate, seqlen).
     "bf16-blocks-grouped": dict(seqlen=64, dtype=torch.bfloat16, dim=32, dstate=5,
@@ -575,6 +578,27 @@ def test_local_pass_tiles(monkeypatch):
     monkeypatch.setattr(scan, "config", scan.overridden(scan.config, {"LOCAL_NS": 2}))
     (_, local_grid, tiles), (_, grid, _) = scan._Plan(scan.config, *inputs).launches()
     assert tiles == dict(NS=2, NI=8, BD=16) and local_grid[0] == grid[0] == 4
+
+
+@pytest.mark.parametrize("dstate", [17, 64, 100, 256, 300])
+def test_many_states_split_over_lanes(dstate):
+    """Beyond 16 states the tiles split a channel's states over more lanes (scan.STATE_LANES):
+    a thread holds at most 16 in the forward and 8 in the backward (past 256 states, a warp's
+    share), in every pass, cut into ranges or not; the backward's full pass never over 8 lanes
+    (offline, Triton spread those tiles' steps over lanes)."""
+    n_pad = 1 << (dstate - 1).bit_length()
+    for batch, dim, seqlen in ((8, 1536, 2048), (1, 8, 1024)):
+        x = make_inputs(device="cpu", batch=batch, dim=dim, dstate=dstate, seqlen=seqlen,
+                        dtype=torch.bfloat16)  # fmt: skip
+        inputs = [x.get(k) for k in SCAN_INPUTS]
+        for tiles, most in ((scan.config, 16), (scan.bwd_config, 8)):
+            p = scan._Plan(tiles, *inputs)
+            launches = list(p.launches())
+            assert len(launches) == (1 if batch == 8 else 2)  # the short one is cut
+            for is_local, _, local in launches:
+                NS, NI = local.get("NS", p.cfg["NS"]), local.get("NI", p.cfg["NI"])
+                assert NS * NI == p.NP == n_pad and NI <= max(most, n_pad // 32)
+                assert tiles is scan.config or is_local or NS != 8
 
 
 @pytest.mark.parametrize(

@@ -262,6 +262,28 @@ def size_hint(v) -> int | None:
     return hint if isinstance(hint, int) else None
 
 
+# Lanes a channel's padded states split over beyond 16 states, by their padded count: (forward,
+# its ranges' local pass, backward, its local pass); counts past 256 take a warp. 16 and fewer
+# keep the tiles measured on the H200 (config, bwd_config). Each state a thread holds is an
+# unrolled copy of the tile's recurrence: with 64 states in 2 or 4 lanes the forward compiled
+# in 52 s (its local pass, 64 a thread, 109 s) and the backward in 85-102 s with 255 registers
+# and 912 bytes of spills. The splits were picked from offline sm_90 compiles: per thread at
+# most 16 states forward, 8 backward (4 from 64 states on), where Triton keeps the tile's steps
+# in a thread; backward tiles of 8 lanes (4 channels a warp) spread them over lanes (SASS 3-6x
+# longer) and are skipped (bench/NOTES.md, session 26).
+STATE_LANES = {32: (2, 2, 4, 4), 64: (4, 4, 16, 8), 128: (8, 8, 32, 16), 256: (32, 32, 32, 32)}
+FWD, FWD_LOCAL, BWD, BWD_LOCAL = range(4)
+
+
+def state_lanes(dstate: int, role: int, lanes: int) -> int:
+    """Lanes splitting a channel's states in tiles of `role` (FWD ... BWD_LOCAL): `lanes`, or
+    the STATE_LANES split where that is more."""
+    n_pad = triton.next_power_of_2(dstate)
+    if n_pad <= 16:
+        return lanes
+    return max(lanes, STATE_LANES.get(n_pad, (32,) * 4)[role])
+
+
 def _tiles(dim, dstate, B: Tensor, C: Tensor, T: int, NS: int, lanes: int = 0) -> dict:
     """T steps per thread; the padded states split as NS lanes x NI per thread; CH channels per
     thread, so a program (num_warps warps) covers BD = CH * (32 / NS) * num_warps channels. For
@@ -317,9 +339,9 @@ def config(
     if isinstance(seqlen, int) and seqlen % T != 0 and seqlen % (T // 2) == 0:
         T //= 2
     # FINER: the wide tiles' ranges decide below
-    both = {"LOCAL_NS": 1, "FINER": 2, "PRE": 0, "EPI": 0}
-    narrow = _tiles(dim, dstate, B, C, T, NS=2) | both
-    wide = _tiles(dim, dstate, B, C, T, NS=4) | both
+    both = {"LOCAL_NS": state_lanes(dstate, FWD_LOCAL, 1), "FINER": 2, "PRE": 0, "EPI": 0}
+    narrow = _tiles(dim, dstate, B, C, T, NS=state_lanes(dstate, FWD, 2)) | both
+    wide = _tiles(dim, dstate, B, C, T, NS=state_lanes(dstate, FWD, 4)) | both
     # Decided on plain ints: comparing SymInts would guard on them.
     states, dims, length, narrow_bd, wide_bd = (
         size_hint(v) for v in (num_states, dim, seqlen, narrow["BD"], wide["BD"])
@@ -328,7 +350,7 @@ def config(
         return wide
     cut = length is not None and ranges(dict(wide, BD=wide_bd), states, dims, length, varlen)[0] > 1
     if states * cdiv(dims, narrow_bd) >= TARGET_WARPS or cut:
-        return narrow | {"EPI": 1}
+        return narrow | {"EPI": int(narrow["NS"] <= 2)}  # measured on 2-lane tiles only
     few = length is not None and states * cdiv(dims, wide_bd) < TARGET_WARPS // 2
     if few and lanes_fit(dtype, B, C, seqlen, varlen, rows):
         return _tiles(dim, dstate, B, C, 16, NS=1, lanes=16) | both
@@ -393,8 +415,10 @@ def bwd_config(
     (LOCAL_NS): S3 1.462 -> 1.371 ms, against 1.404 with 1 lane (session 8). BF16_PARTS: see
     `bc_part_dtype`. FINER 4 (see `ranges`): S3 (192 warps, 10 -> 32 ranges) 1.58 -> 1.49 ms
     (session 7)."""
-    cfg = _tiles(dim, dstate, B, C, T=8 if dtype.itemsize <= 4 else 4, NS=4)
-    return cfg | {"KEEP_STEPS": int(dtype.itemsize == 2), "LOCAL_NS": 2, "BF16_PARTS": 1,
+    cfg = _tiles(dim, dstate, B, C, T=8 if dtype.itemsize <= 4 else 4,
+                 NS=state_lanes(dstate, BWD, 4))  # fmt: skip
+    return cfg | {"KEEP_STEPS": int(dtype.itemsize == 2),
+                  "LOCAL_NS": state_lanes(dstate, BWD_LOCAL, 2), "BF16_PARTS": 1,
                   "FINER": 4}  # fmt: skip
 
 
