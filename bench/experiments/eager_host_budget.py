@@ -24,25 +24,13 @@ from triton.testing import do_bench
 
 BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
+from host_profile import host_us  # noqa: E402
 from shapes import FWD_ARGS, make_bench_inputs  # noqa: E402
 
 from selective_scan import selective_scan_fn  # noqa: E402
 from selective_scan.kernels import launch, scan  # noqa: E402
 
-
-def host_us(fn, calls: int = 300) -> float:
-    """Median over 5 rounds of back-to-back host time per call (us)."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    rounds = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        rounds.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(rounds)
+CALLS = 300  # back-to-back calls a round of host_us (bench/host_profile.py)
 
 
 def bench_us(fn) -> float:
@@ -100,11 +88,11 @@ def main() -> None:
         "launches_per_call": len(recorded) // 2,
         "zero_256MB_us": 1e3 * statistics.median(zero_ms),
         "host_us": {
-            "public": host_us(public_call),
-            "implementation": host_us(impl_call),
-            "direct_launch": host_us(kernel_call),
-            "empty_cuda_tensor": host_us(lambda: torch.empty(16, device="cuda")),
-            "one_element_add": host_us(lambda: one.add_(1)),
+            "public": host_us(public_call, CALLS),
+            "implementation": host_us(impl_call, CALLS),
+            "direct_launch": host_us(kernel_call, CALLS),
+            "empty_cuda_tensor": host_us(lambda: torch.empty(16, device="cuda"), CALLS),
+            "one_element_add": host_us(lambda: one.add_(1), CALLS),
         },
         "do_bench_us": {},
         "spin_then_launch_do_bench_us": {},
