@@ -268,7 +268,7 @@ def size_hint(v) -> int | None:
 # unrolled copy of the tile's recurrence: with 64 states in 2 or 4 lanes the forward compiled
 # in 52 s (its local pass, 64 a thread, 109 s) and the backward in 85-102 s with 255 registers
 # and 912 bytes of spills. The splits were picked from offline sm_90 compiles: per thread at
-# most 16 states forward, 8 backward (4 from 64 states on), where Triton keeps the tile's steps
+# most 16 states forward, 8 backward (4 at 64 and 128), where Triton keeps the tile's steps
 # in a thread; backward tiles of 8 lanes (4 channels a warp) spread them over lanes (SASS 3-6x
 # longer) and are skipped (bench/NOTES.md, session 26).
 STATE_LANES = {32: (2, 2, 4, 4), 64: (4, 4, 16, 8), 128: (8, 8, 32, 16), 256: (32, 32, 32, 32)}
