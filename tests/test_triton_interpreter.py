@@ -596,9 +596,9 @@ def test_many_states_split_over_lanes(dstate):
             launches = list(p.launches())
             assert len(launches) == (1 if batch == 8 else 2)  # the short one is cut
             for is_local, _, local in launches:
-                NS, NI = local.get("NS", p.cfg["NS"]), local.get("NI", p.cfg["NI"])
-                assert NS * NI == p.NP == n_pad and NI <= max(most, n_pad // 32)
-                assert tiles is scan.config or is_local or NS != 8
+                lanes, per_thread = local.get("NS", p.cfg["NS"]), local.get("NI", p.cfg["NI"])
+                assert lanes * per_thread == p.NP == n_pad and per_thread <= max(most, n_pad // 32)
+                assert tiles is scan.config or is_local or lanes != 8
 
 
 @pytest.mark.parametrize(
