@@ -623,18 +623,66 @@ def test_one_wave_cap(programs, T, NP, eager, capped, monkeypatch):
     assert scan.one_wave_cap(p, u, launchers) == ({"maxnreg": 168} if capped else {})
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("blocks", [640, 641, 12])
-def test_block_sums(blocks, dtype):
-    """dB/dC's per-block partial sums are summed in runs first where the blocks are many and
-    the sums few (S6: 640 blocks, two stages; 641 is prime: one stage): the same sums. Sums of
-    bfloat16 partials are accumulated in float32 and rounded at most once (to bfloat16)."""
-    part = torch.randn(1, 2, blocks, 4, 8, dtype=torch.float64).to(dtype)
-    summed = scan._sum_blocks(part, 2)
-    assert summed.dtype in (dtype, torch.float32)
-    tol = 1e-12 if dtype == torch.float64 else 2**-8
-    exact = part.double().sum(2)
-    torch.testing.assert_close(summed.double(), exact, rtol=tol, atol=tol * exact.abs().max())
+@pytest.mark.parametrize(
+    "dtype, b_form, c_form, optional, blocks, seqlen, dstate, wide",
+    [
+        (torch.float64, "variable", "grouped", True, 6, 40, 5, False),  # cut tile and states
+        (torch.float64, "variable", "grouped", True, 6, 40, 5, True),  # the same in BM 1024
+        (torch.bfloat16, "grouped", "constant", False, 6, 32, 16, False),  # bf16, no D/bias
+        (torch.float32, "constant", "variable", True, 640, 16, 16, False),  # S6's many blocks
+    ],
+)
+def test_grad_sums(dtype, b_form, c_form, optional, blocks, seqlen, dstate, wide, monkeypatch):
+    """The backward's partial sums reduced by kernels/grad_sums.py in one launch: each gradient
+    the float64 sum of its partials over programs (dA, dD, ddelta_bias, constant dB/dC) or over
+    a group's blocks (variable dB/dC, (batch, blocks, tiles, NP, T) partials), cut to dstate
+    states and seqlen steps, in its input's shape and dtype; the same bits when run again.
+    These sizes take BM 16 (few programs); `wide` forces the widest tile (large shapes')."""
+    if wide:
+        monkeypatch.setattr(scan, "SUM_PROGRAMS", 1)
+    batch, dim, T, programs = 2, 12, 8, 3
+    NP, tiles = 1 << (dstate - 1).bit_length(), scan.bc_tiles(seqlen, T)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    p = types.SimpleNamespace(batch=batch, dim=dim, NP=NP, cfg=dict(T=T), seqlen=seqlen,
+                              dstate=dstate, num_states=programs, n_ranges=1, n_blocks=blocks,
+                              cdt=acc, flags=dict(ACC=scan._tl_dtype(acc)), unused=None,
+                              sums=None)  # fmt: skip
+
+    def like(form):
+        shape = {"constant": (dim, dstate), "variable": (batch, dstate, seqlen),
+                 "grouped": (batch, 3, dstate, seqlen)}[form]  # fmt: skip
+        return torch.empty(shape, dtype=dtype, device=DEVICE)
+
+    A, B, C = torch.empty(dim, dstate, dtype=acc, device=DEVICE), like(b_form), like(c_form)
+    D = delta_bias = torch.empty(dim, dtype=dtype, device=DEVICE) if optional else None
+
+    def part(t):
+        shape = (programs, dim, NP) if t.dim() < 3 else (batch, blocks, tiles, NP, T)
+        part_dtype = dtype if t.dim() > 2 and dtype == torch.bfloat16 else acc
+        return torch.randn(shape, dtype=torch.float64, device=DEVICE).to(part_dtype)
+
+    parts = (part(A), part(B), part(C), *[torch.randn(programs, dim, device=DEVICE).to(acc)] * 2)
+
+    def exact(part, t):
+        if t.dim() < 3:  # over programs; (programs, dim[, NP])
+            summed = part.double().sum(0)
+            return summed if t.dim() == 1 else summed[:, :dstate]
+        groups = 1 if t.dim() == 3 else t.shape[1]
+        rows = part.double().view(batch, groups, blocks // groups, tiles, NP, T).sum(2)
+        rows = rows.transpose(2, 3).reshape(batch, groups, NP, tiles * T)[:, :, :dstate, :seqlen]
+        return rows.reshape(t.shape)
+
+    got = scan.grad_sums(p, None, parts, A, B, C, D, delta_bias)
+    again = scan.grad_sums(p, None, parts, A, B, C, D, delta_bias)
+    for grad, repeat, part_, t in zip(got, again, parts, (A, B, C, D, delta_bias), strict=True):
+        if t is None:
+            assert grad is None
+            continue
+        assert grad.shape == t.shape and grad.dtype == t.dtype and grad.is_contiguous()
+        assert torch.equal(grad, repeat)
+        want = exact(part_, t)
+        tol = 1e-12 if dtype == torch.float64 else 2**-7
+        torch.testing.assert_close(grad.double(), want, rtol=tol, atol=tol * want.abs().max())
 
 
 def test_broadcast_steps_are_copied(monkeypatch):

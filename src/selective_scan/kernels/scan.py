@@ -17,7 +17,6 @@ per-step input and output while a call runs (see `padded`).
 from __future__ import annotations
 
 import functools
-import math
 import os
 from typing import NamedTuple
 
@@ -36,6 +35,7 @@ from .._checks import (
     compute_dtype,
 )
 from .bc_blocks import _bc_blocks_kernel
+from .grad_sums import GRAD_SUM_ELEMENTS, _grad_sums_kernel
 from .launch import Launcher, is_plain_eager
 from .range_entries import _range_entries_kernel
 from .scan_bwd import _scan_bwd_kernel
@@ -563,6 +563,8 @@ class _Plan:
         # Eager plans: an empty tensor for the buffers a launch does not use (no PRE pass, one
         # range), passed in their place: allocating them took 1-1.5 us of host time each.
         self.unused: Tensor | None = None
+        # The backward's grad_sums launch (grid, scalars, constexprs), made at its first call.
+        self.sums: tuple | None = None
 
     def direct(self, u: Tensor) -> dict[tuple, Launcher] | None:
         """The launchers of this call's launches: the plan's direct ones (launch.py) when
@@ -807,22 +809,16 @@ def backward_align(p: _Plan, dout: Tensor) -> tuple[int, tuple]:
 
 def _fresh(t: Tensor, like: Tensor) -> Tensor:
     """t as a contiguous tensor of its own with like's shape and dtype (no aliasing, stable
-    strides): in eager calls t itself when it is one already (a reduction's result), else a
-    copy. Traced calls always copy (Inductor fuses it): returning the sums of dA, dD and
-    ddelta_bias directly put a guard on the length into the compiled backward (on the H200,
-    torch.compile(dynamic=True) compiled again for 999 steps after 256, session 11)."""
+    strides): in eager calls t itself when it is one already, else a copy. Traced calls always
+    copy (Inductor fuses it): returning a kernel's buffer directly put a guard on the length
+    into the compiled backward (on the H200, torch.compile(dynamic=True) compiled again for 999
+    steps after 256, session 11, when dA's, dD's and ddelta_bias' sums were returned so)."""
     own = not is_fake(t) and t._base is None and t.is_contiguous()
     if own and t.shape == like.shape and t.dtype == like.dtype:
         return t
     out = like.new_empty(like.shape)
     out.view(t.shape).copy_(t)
     return out
-
-
-def _first_states(t: Tensor, dstate) -> Tensor:
-    """t (..., NP) without its padded states: t itself when there are none (no view, so that
-    _fresh can return it)."""
-    return t if t.shape[-1] == dstate else t[..., :dstate]
 
 
 def bc_part_dtype(p: _Plan, t: Tensor) -> torch.dtype:
@@ -838,44 +834,65 @@ def bc_part_dtype(p: _Plan, t: Tensor) -> torch.dtype:
     return torch.bfloat16 if bf16 else p.cdt
 
 
-def _reduce_bc_grad(part: Tensor, t: Tensor, dim, dstate) -> Tensor:
-    """dB or dC from per-block partial sums: variable (batch, blocks, tiles, NP, T) summed over
-    the blocks of each group; constant (num_states, dim, NP) summed over sequences."""
-    if t.dim() == 2:
-        return _fresh(_first_states(part.sum(0), dstate), t)
-    batch, n_blocks, tiles, NP, T = part.shape
-    groups = 1 if t.dim() == 3 else t.shape[1]
-    summed = _sum_blocks(part.view(batch, groups, n_blocks // groups, tiles, NP, T), 2)
-    steps = summed.transpose(2, 3)  # (batch, groups, NP, tiles, T)
-    seqlen = t.shape[-1]
-    if isinstance(seqlen, int) and isinstance(tiles, int) and seqlen == tiles * T:
-        out = t.new_empty(t.shape)
-        out.view(batch, groups, dstate, tiles, T).copy_(steps[:, :, :dstate])
-        return out
-    # The last tile is cut, or sizes are symbolic. Steps kept by index_select, not a slice: a
-    # view of seqlen of the tiles * T steps is contiguous exactly when the two are equal, and
-    # the fake tensor guarded on that (test_traced_launchers_guard_alike_for_any_size), which
-    # would tie a compile with dynamic shapes to lengths that are multiples of T.
-    rows = steps.reshape(batch, groups, NP, tiles * T)[:, :, :dstate]
-    return _fresh(rows.index_select(3, torch.arange(seqlen, device=rows.device)), t)
+SUM_PROGRAMS = 256  # programs a job of _grad_sums_kernel should have at least, where it can
 
 
-def _sum_blocks(part: Tensor, axis: int) -> Tensor:
-    """part summed over its blocks (on `axis`), in a fixed order, in float32 at least (bfloat16
-    partials: one reduction reads them and rounds each sum once).
-    Many blocks and few sums starve torch's reduction: S6's 4096 sums of 640 blocks (10 MB)
-    took 22 us each for dB and dC, of 152 us of backward kernels (session 7). There the blocks
-    are summed in runs of d first (d the largest divisor up to the square root), so that both
-    reductions have many outputs or short sums. Known sizes only: no guard on symbolic ones."""
-    blocks = part.shape[axis]
-    sums = part.numel() // max(blocks, 1) if isinstance(blocks, int) else None
-    if not isinstance(sums, int) or sums >= 2**17 or blocks < 16:
-        return part.sum(axis)
-    d = max(k for k in range(1, math.isqrt(blocks) + 1) if blocks % k == 0)
-    if d < 4:
-        return part.sum(axis)
-    wide = torch.promote_types(part.dtype, torch.float32)
-    return part.unflatten(axis, (blocks // d, d)).sum(axis + 1, dtype=wide).sum(axis)
+def grad_sum_tile(rows, M) -> int:
+    """BM of a grad_sums job of `rows` rows of M sums: the widest of 1024, 256, 64, 16 giving
+    it SUM_PROGRAMS programs. Fewer programs leave the GPU short of loads in flight (S2's dB
+    and dC, 4 rows: 139 us at 1024, 81 at 256); narrower tiles than needed cost more programs
+    and, past the terms, masked loads (S5, K = 64: 86 us at 1024, 135 at 256; S6, 4096 sums of
+    640 blocks: 11.6 us at 16, 159 at 1024). The whole launch at every benchmark shape is
+    within 17% of its best tile and faster than the torch reductions it replaced (H200,
+    bench/experiments/grad_sums_tiles.py, session 28). From the sizes alone, not the device,
+    so the order of the sums is the same everywhere; symbolic sizes by their hints."""
+    rows, M = size_hint(rows), size_hint(M)
+    for BM in (1024, 256, 64):
+        if rows is None or M is None or rows * cdiv(M, BM) >= SUM_PROGRAMS:
+            return BM
+    return 16
+
+
+def grad_sums_launch(p: _Plan, B: Tensor, C: Tensor, D: Tensor | None,
+                     delta_bias: Tensor | None) -> tuple:  # fmt: skip
+    """(grid, scalars, constexprs) of grad_sums' launch: the plan's sizes and which inputs are
+    variable or present decide them, so eager plans keep them (``_Plan.sums``)."""
+    batch, dim, NP, T = p.batch, p.dim, p.NP, p.cfg["T"]
+    tiles = bc_tiles(p.seqlen, T)
+    groups = [1 if t.dim() < 4 else t.shape[1] for t in (B, C)]
+    BM_STATES = grad_sum_tile(1, dim * NP)
+    BM_STEPS = grad_sum_tile(batch * max(groups), tiles * NP * T)
+    BM_CHANNELS = grad_sum_tile(1, dim)
+    jobs = [(1, dim * NP, BM_STATES)]  # (rows, M, BM) of dA, dB, dC, dD, ddelta_bias
+    for t, g in zip((B, C), groups, strict=True):
+        jobs.append((batch * g, tiles * NP * T, BM_STEPS) if t.dim() > 2 else jobs[0])
+    jobs += [(1, dim, BM_CHANNELS) for t in (D, delta_bias) if t is not None]
+    grid = (sum(rows * cdiv(M, BM) for rows, M, BM in jobs), 1, 1)
+    args = (p.num_states * p.n_ranges, dim, p.dstate, p.seqlen, tiles, batch, p.n_blocks,
+            *groups)  # fmt: skip
+    options = dict(NP=NP, T=T, B_VAR=B.dim() > 2, C_VAR=C.dim() > 2, HAS_D=D is not None,
+                   HAS_BIAS=delta_bias is not None, BM_STATES=BM_STATES, BM_STEPS=BM_STEPS,
+                   BM_CHANNELS=BM_CHANNELS, ELEMENTS=GRAD_SUM_ELEMENTS, ACC=p.flags["ACC"],
+                   num_warps=4)  # fmt: skip
+    return grid, args, options
+
+
+def grad_sums(p: _Plan, launchers, parts: tuple, A: Tensor, B: Tensor, C: Tensor,
+              D: Tensor | None, delta_bias: Tensor | None) -> tuple:  # fmt: skip
+    """(dA, dB, dC, dD, ddelta_bias) from the backward kernel's partial sums ``parts`` (in that
+    order), in one launch of kernels/grad_sums.py: each a fresh contiguous tensor of its
+    input's shape and dtype, None for an absent D or delta_bias."""
+    if p.sums is None or launchers is None:
+        p.sums = grad_sums_launch(p, B, C, D, delta_bias)
+    grid, args, options = p.sums
+    outs = [None if t is None else t.new_empty(t.shape) for t in (A, B, C, D, delta_bias)]
+    unused = _unused(A, p)
+    tensors = tuple(
+        unused if t is None else t for pair in zip(parts, outs, strict=True) for t in pair
+    )
+    _launch_kernel(launchers, _grad_sums_kernel, grid, tensors, args, options,
+                   key=("grad_sums",))  # fmt: skip
+    return tuple(outs)
 
 
 def scan_bwd(
@@ -918,9 +935,10 @@ def scan_bwd(
         return u.new_empty((batch, p.n_blocks, tiles, NP, T), dtype=bc_part_dtype(p, t))
 
     dB_part, dC_part = bc_part(B), bc_part(C)
-    dD_part = u.new_empty((programs, dim), dtype=cdt)
-    dbias_part = u.new_empty((programs, dim), dtype=cdt)
-    dh0 = u.new_empty((p.num_states, dim, dstate), dtype=cdt)
+    unused = _unused(u, p)  # the kernels write these only for a D, delta_bias, initial_state
+    dD_part = unused if D is None else u.new_empty((programs, dim), dtype=cdt)
+    dbias_part = unused if delta_bias is None else u.new_empty((programs, dim), dtype=cdt)
+    dh0 = unused if initial_state is None else u.new_empty((p.num_states, dim, dstate), dtype=cdt)
     dh_local, dt_sums = _range_buffers(u, p)
     tiles_per_chunk = CKPT // T
     keep = p.cfg["KEEP_STEPS"]
@@ -943,17 +961,20 @@ def scan_bwd(
         if local:
             _range_entries(p, launchers, dh_local, dt_sums, A, dlast_state, reverse=True)
 
+    parts = (dA_part, dB_part, dC_part, dD_part, dbias_part)
+    dA, dB, dC, dD, dbias = grad_sums(p, launchers, parts, A, B, C, D, delta_bias)
+
     def empty():  # one placeholder per absent input: outputs must not alias each other
         return u.new_empty((0,))
 
     return (
         unpadded(du, p),
         unpadded(ddelta, p),
-        _fresh(_first_states(dA_part.sum(0), dstate), A),
-        _reduce_bc_grad(dB_part, B, dim, dstate),
-        _reduce_bc_grad(dC_part, C, dim, dstate),
-        empty() if D is None else _fresh(dD_part.sum(0), D),
+        dA,
+        dB,
+        dC,
+        empty() if D is None else dD,
         dz if z is None else unpadded(dz, p),
-        empty() if delta_bias is None else _fresh(dbias_part.sum(0), delta_bias),
+        empty() if delta_bias is None else dbias,
         empty() if initial_state is None else _fresh(dh0, initial_state),
     )

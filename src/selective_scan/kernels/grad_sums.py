@@ -1,0 +1,110 @@
+"""The backward's reduced gradients from its partial sums, in one launch, in a fixed order.
+
+The backward kernel (scan_bwd.py) leaves dA, dD and ddelta_bias (and constant dB, dC) as one
+partial sum per program, (programs, dim, NP) or (programs, dim), and variable dB, dC as one per
+block of channels, (batch, blocks, tiles, NP, T). This kernel adds each set of partials in a
+fixed order (deterministic: the same bits run to run) and writes the gradient in its input's
+shape and dtype, cut to dstate states and seqlen steps.
+
+Each of the five gradients is a job of the same form: output row r, element m, is the sum over
+k < K of ``part[(r * K + k) * M + m]``; m stands for (outer, n, inner) over (M / (NP * T), NP,
+T) and lands at ``out[r * s_r + (outer * T + inner) * s_l + n * s_n]`` when n < dstate and
+outer * T + inner < length:
+
+| job | R | K | M | NP, T | length | s_r, s_l, s_n |
+|---|---|---|---|---|---|---|
+| dA, constant dB/dC | 1 | programs | dim * NP | NP, 1 | dim | 0, dstate, 1 |
+| variable dB/dC | batch * G | blocks / G | tiles * NP * T | NP, T | seqlen | L, 1, seqlen |
+| dD, ddelta_bias | 1 | programs | dim | 1, 1 | dim | 0, 1, 0 |
+
+(G: groups, L = dstate * seqlen.)
+
+A program sums BM consecutive m of one row over all K terms, BK terms a load. Jobs take
+consecutive ranges of the grid's one axis (dA, dB, dC, dD, ddelta_bias); an absent one takes
+none. Replaces seven torch reductions and two copies: about 30 us of S6's 112 us of backward
+kernels, and their host time (bench/NOTES.md, session 27).
+"""
+
+import triton
+import triton.language as tl
+
+GRAD_SUM_ELEMENTS = 4096  # partial values a program loads at once (BK * BM)
+
+
+@triton.jit
+def _sum_job(
+    part_ptr, out_ptr, pid, K, M, length, dstate, s_r, s_l, s_n,
+    NP: tl.constexpr, T: tl.constexpr, BM: tl.constexpr, ELEMENTS: tl.constexpr,
+    ACC: tl.constexpr,
+):  # fmt: skip
+    BK: tl.constexpr = ELEMENTS // BM
+    m_blocks = tl.cdiv(M, BM)
+    row = (pid // m_blocks).to(tl.int64)
+    m = (pid % m_blocks) * BM + tl.arange(0, BM)
+    k = tl.arange(0, BK)
+    terms = part_ptr + row * K * M + m[None, :]
+    # Summed across the tile's BK rows once, after the loop: summing each load across them
+    # (across warps, through shared memory) took S1's and S2's dB and dC 3-4x as long.
+    acc = tl.zeros([BK, BM], ACC)
+    for k0 in range(0, K, BK):
+        kk = k0 + k[:, None]
+        x = tl.load(terms + kk.to(tl.int64) * M, mask=(kk < K) & (m[None, :] < M), other=0.0)
+        acc += x.to(ACC)
+    acc = tl.sum(acc, axis=0)
+    n = (m // T) % NP
+    step = (m // (NP * T)) * T + m % T
+    ok = (m < M) & (n < dstate) & (step < length)
+    out = out_ptr + row * s_r + step.to(tl.int64) * s_l + n * s_n
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _job_programs(R, M, BM: tl.constexpr):
+    return R * tl.cdiv(M, BM)
+
+
+@triton.jit
+def _grad_sums_kernel(
+    dA_part, dA, dB_part, dB, dC_part, dC, dD_part, dD, dbias_part, dbias,
+    programs, dim, dstate, seqlen, tiles, batch, blocks, B_groups, C_groups,
+    NP: tl.constexpr, T: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
+    HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, BM_STATES: tl.constexpr,
+    BM_STEPS: tl.constexpr, BM_CHANNELS: tl.constexpr, ELEMENTS: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    # Each job's sizes as in the module's table; jobs end where the next begins.
+    var_M = tiles * NP * T
+    B_BM: tl.constexpr = BM_STEPS if B_VAR else BM_STATES
+    C_BM: tl.constexpr = BM_STEPS if C_VAR else BM_STATES
+    B_R = batch * B_groups if B_VAR else 1
+    C_R = batch * C_groups if C_VAR else 1
+    B_M = var_M if B_VAR else dim * NP
+    C_M = var_M if C_VAR else dim * NP
+    end_A = _job_programs(1, dim * NP, BM_STATES)
+    end_B = end_A + _job_programs(B_R, B_M, B_BM)
+    end_C = end_B + _job_programs(C_R, C_M, C_BM)
+    end_D = end_C + (_job_programs(1, dim, BM_CHANNELS) if HAS_D else 0)
+    if pid < end_A:
+        _sum_job(dA_part, dA, pid, programs, dim * NP, dim, dstate, 0, dstate, 1,
+                 NP, 1, BM_STATES, ELEMENTS, ACC)  # fmt: skip
+    elif pid < end_B:
+        if B_VAR:
+            _sum_job(dB_part, dB, pid - end_A, blocks // B_groups, var_M, seqlen, dstate,
+                     dstate * seqlen, 1, seqlen, NP, T, BM_STEPS, ELEMENTS, ACC)  # fmt: skip
+        else:
+            _sum_job(dB_part, dB, pid - end_A, programs, dim * NP, dim, dstate, 0, dstate, 1,
+                     NP, 1, BM_STATES, ELEMENTS, ACC)  # fmt: skip
+    elif pid < end_C:
+        if C_VAR:
+            _sum_job(dC_part, dC, pid - end_B, blocks // C_groups, var_M, seqlen, dstate,
+                     dstate * seqlen, 1, seqlen, NP, T, BM_STEPS, ELEMENTS, ACC)  # fmt: skip
+        else:
+            _sum_job(dC_part, dC, pid - end_B, programs, dim * NP, dim, dstate, 0, dstate, 1,
+                     NP, 1, BM_STATES, ELEMENTS, ACC)  # fmt: skip
+    elif pid < end_D:
+        if HAS_D:
+            _sum_job(dD_part, dD, pid - end_C, programs, dim, dim, 1, 0, 1, 0, 1, 1,
+                     BM_CHANNELS, ELEMENTS, ACC)  # fmt: skip
+    elif HAS_BIAS:
+        _sum_job(dbias_part, dbias, pid - end_D, programs, dim, dim, 1, 0, 1, 0, 1, 1,
+                 BM_CHANNELS, ELEMENTS, ACC)  # fmt: skip
