@@ -209,3 +209,35 @@ def test_eager_calls_without_grad_skip_the_op(backend, monkeypatch):
     assert scan_ops(x["u"])[0]._opoverload in mode.ops
     for a, b in zip(direct, via_op, strict=True):
         assert torch.equal(a, b.detach())
+
+
+def test_eager_backward_skips_the_op(backend, monkeypatch):
+    """An eager backward runs the backward op's implementation without the dispatcher and gives
+    the op's gradients bit for bit; under a dispatch mode (tracing, profiling modes) it takes
+    the op."""
+    x = make_inputs(seqlen=33, initial_state=True)
+    _, bwd_op = scan_ops(x["u"])
+    implementation = ops.BACKWARD_IMPLEMENTATIONS[bwd_op]
+    calls = []
+
+    def recorded(*args):
+        calls.append(args)
+        return implementation(*args)
+
+    monkeypatch.setitem(ops.BACKWARD_IMPLEMENTATIONS, bwd_op, recorded)
+
+    def grads():
+        leaves = {
+            k: x[k].clone().requires_grad_() for k in ("u", "delta", "A", "B", "initial_state")
+        }
+        out, last = selective_scan_fn(**(x | leaves), delta_softplus=True, return_last_state=True)
+        torch.autograd.backward((out, last), (torch.ones_like(out), torch.ones_like(last)))
+        return [t.grad for t in leaves.values()]
+
+    direct = grads()
+    assert len(calls) == 1
+    with RecordOps() as mode:
+        via_op = grads()
+    assert len(calls) == 1 and bwd_op._opoverload in mode.ops
+    for a, b in zip(direct, via_op, strict=True):
+        assert torch.equal(a, b)

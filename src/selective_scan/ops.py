@@ -24,6 +24,7 @@ import torch
 
 from . import cpu
 from ._checks import check_scan_grads, check_scan_inputs, checkpoint_slots, compute_dtype
+from .kernels.launch import direct_call_ok
 
 
 def fwd_fake(chunk: int):
@@ -66,12 +67,20 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _make_backward(bwd_op):
+    """The autograd backward of a forward op: ``bwd_op``, or its implementation
+    (BACKWARD_IMPLEMENTATIONS) where calling that directly is the same
+    (``kernels.launch.direct_call_ok``: an eager backward, nothing traced, no double backward),
+    which skips the dispatcher (S6's backward, launches stubbed out, on a CPU: 67 against 110
+    us of host time; bench/NOTES.md, session 27)."""
+
     def backward(ctx, dout, dlast_state, _dcheckpoints):
         *inputs, checkpoints = ctx.saved_tensors
         u = inputs[0]
         if dout is None:
             dout = torch.zeros_like(u)
-        grads = bwd_op(dout, dlast_state, *inputs, checkpoints, ctx.delta_softplus)
+        args = (dout, dlast_state, *inputs, checkpoints)
+        run = BACKWARD_IMPLEMENTATIONS[bwd_op] if direct_call_ok(args) else bwd_op
+        grads = run(*args, ctx.delta_softplus)
         # Optional inputs that were None get None; cu_seqlens and delta_softplus get no gradient.
         grads = [None if t is None else g for g, t in zip(grads, inputs, strict=False)]
         return (*grads, None, None)
@@ -84,9 +93,10 @@ scan_bwd = torch.library.custom_op("selective_scan::scan_bwd", cpu.scan_bwd, mut
 scan_fwd.register_fake(fwd_fake(cpu.CHUNK))
 scan_bwd.register_fake(bwd_fake)
 scan_fwd.register_autograd(_make_backward(scan_bwd), setup_context=_setup_context)
-# The function each forward op runs, for eager calls that may skip the dispatcher
-# (interface.selective_scan_fn).
+# The function each op runs, for eager calls that may skip the dispatcher
+# (interface.selective_scan_fn, the autograd backward).
 FORWARD_IMPLEMENTATIONS = {scan_fwd: cpu.scan_fwd}
+BACKWARD_IMPLEMENTATIONS = {scan_bwd: cpu.scan_bwd}
 
 
 def _register_triton():
@@ -103,6 +113,7 @@ def _register_triton():
     )
     fwd.register_autograd(_make_backward(bwd), setup_context=_setup_context)
     FORWARD_IMPLEMENTATIONS[fwd] = triton_scan.scan_fwd
+    BACKWARD_IMPLEMENTATIONS[bwd] = triton_scan.scan_bwd
     return fwd, bwd
 
 
