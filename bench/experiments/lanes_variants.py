@@ -143,6 +143,14 @@ VARIANTS = {
             ("        tl.store(last_row + n, ends, mask=row_ok & (lane == LANES - 1))\n", ""),
         ],
     ),
+    # The state loop unrolled twice, so that ptxas may overlap a state's exponentials with the
+    # previous state's chain (session 28, offline at the cap of 96: 395 instructions for two
+    # states, 12 spill reloads a state against 6, a 104-byte stack against 32; not timed).
+    "unroll2": dict(
+        edits=[
+            ("for n in tl.range(0, DSTATE):", "for n in tl.range(0, DSTATE, loop_unroll_factor=2):")
+        ]
+    ),
 }
 
 
