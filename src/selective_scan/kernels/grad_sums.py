@@ -40,7 +40,7 @@ def _sum_job(
     BK: tl.constexpr = ELEMENTS // BM
     m_blocks = tl.cdiv(M, BM)
     row = (pid // m_blocks).to(tl.int64)
-    m = (pid % m_blocks) * BM + tl.arange(0, BM)
+    m = (pid % m_blocks) * BM + tl.arange(0, BM)  # int64 where M is (variable dB/dC)
     k = tl.arange(0, BK)
     terms = part_ptr + row * K * M + m[None, :]
     # Summed across the tile's BK rows once, after the loop: summing each load across them
@@ -72,8 +72,11 @@ def _grad_sums_kernel(
     BM_STEPS: tl.constexpr, BM_CHANNELS: tl.constexpr, ELEMENTS: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    # Each job's sizes as in the module's table; jobs end where the next begins.
-    var_M = tiles * NP * T
+    # Each job's sizes as in the module's table; jobs end where the next begins. A variable
+    # job's rows (dstate * seqlen outputs, tiles * NP * T partials) may pass 2**31 elements, as
+    # the backward kernel's offsets into them do: int64.
+    var_M = tl.cast(tiles, tl.int64) * (NP * T)  # tl.cast: sizes of 1 come as constants
+    var_row = tl.cast(seqlen, tl.int64) * dstate
     B_BM: tl.constexpr = BM_STEPS if B_VAR else BM_STATES
     C_BM: tl.constexpr = BM_STEPS if C_VAR else BM_STATES
     B_R = batch * B_groups if B_VAR else 1
@@ -90,14 +93,14 @@ def _grad_sums_kernel(
     elif pid < end_B:
         if B_VAR:
             _sum_job(dB_part, dB, pid - end_A, blocks // B_groups, var_M, seqlen, dstate,
-                     dstate * seqlen, 1, seqlen, NP, T, BM_STEPS, ELEMENTS, ACC)  # fmt: skip
+                     var_row, 1, seqlen, NP, T, BM_STEPS, ELEMENTS, ACC)  # fmt: skip
         else:
             _sum_job(dB_part, dB, pid - end_A, programs, dim * NP, dim, dstate, 0, dstate, 1,
                      NP, 1, BM_STATES, ELEMENTS, ACC)  # fmt: skip
     elif pid < end_C:
         if C_VAR:
             _sum_job(dC_part, dC, pid - end_B, blocks // C_groups, var_M, seqlen, dstate,
-                     dstate * seqlen, 1, seqlen, NP, T, BM_STEPS, ELEMENTS, ACC)  # fmt: skip
+                     var_row, 1, seqlen, NP, T, BM_STEPS, ELEMENTS, ACC)  # fmt: skip
         else:
             _sum_job(dC_part, dC, pid - end_B, programs, dim * NP, dim, dstate, 0, dstate, 1,
                      NP, 1, BM_STATES, ELEMENTS, ACC)  # fmt: skip
