@@ -64,6 +64,34 @@ def _job_programs(R, M, BM: tl.constexpr):
 
 
 @triton.jit
+def _states_job(part, out, pid, programs, dim, dstate, NP: tl.constexpr, BM: tl.constexpr,
+                ELEMENTS: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """dA, constant dB or dC: (programs, dim, NP) partials into (dim, dstate)."""
+    _sum_job(part, out, pid, programs, dim * NP, dim, dstate, 0, dstate, 1, NP, 1, BM, ELEMENTS,
+             ACC)  # fmt: skip
+
+
+@triton.jit
+def _channels_job(part, out, pid, programs, dim, BM: tl.constexpr, ELEMENTS: tl.constexpr,
+                  ACC: tl.constexpr):  # fmt: skip
+    """dD, ddelta_bias: (programs, dim) partials into (dim,)."""
+    _sum_job(part, out, pid, programs, dim, dim, 1, 0, 1, 0, 1, 1, BM, ELEMENTS, ACC)
+
+
+@triton.jit
+def _bc_job(part, out, pid, VAR: tl.constexpr, groups, programs, blocks, dim, dstate, seqlen,
+            var_M, var_row, NP: tl.constexpr, T: tl.constexpr, BM_STATES: tl.constexpr,
+            BM_STEPS: tl.constexpr, ELEMENTS: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
+    """dB or dC: variable, (batch, blocks, tiles, NP, T) partials summed over each group's
+    blocks into (batch, groups, dstate, seqlen); constant, as dA."""
+    if VAR:
+        _sum_job(part, out, pid, blocks // groups, var_M, seqlen, dstate, var_row, 1, seqlen, NP,
+                 T, BM_STEPS, ELEMENTS, ACC)  # fmt: skip
+    else:
+        _states_job(part, out, pid, programs, dim, dstate, NP, BM_STATES, ELEMENTS, ACC)
+
+
+@triton.jit
 def _grad_sums_kernel(
     dA_part, dA, dB_part, dB, dC_part, dC, dD_part, dD, dbias_part, dbias,
     programs, dim, dstate, seqlen, tiles, batch, blocks, B_groups, C_groups,
@@ -88,26 +116,15 @@ def _grad_sums_kernel(
     end_C = end_B + _job_programs(C_R, C_M, C_BM)
     end_D = end_C + (_job_programs(1, dim, BM_CHANNELS) if HAS_D else 0)
     if pid < end_A:
-        _sum_job(dA_part, dA, pid, programs, dim * NP, dim, dstate, 0, dstate, 1,
-                 NP, 1, BM_STATES, ELEMENTS, ACC)  # fmt: skip
+        _states_job(dA_part, dA, pid, programs, dim, dstate, NP, BM_STATES, ELEMENTS, ACC)
     elif pid < end_B:
-        if B_VAR:
-            _sum_job(dB_part, dB, pid - end_A, blocks // B_groups, var_M, seqlen, dstate,
-                     var_row, 1, seqlen, NP, T, BM_STEPS, ELEMENTS, ACC)  # fmt: skip
-        else:
-            _sum_job(dB_part, dB, pid - end_A, programs, dim * NP, dim, dstate, 0, dstate, 1,
-                     NP, 1, BM_STATES, ELEMENTS, ACC)  # fmt: skip
+        _bc_job(dB_part, dB, pid - end_A, B_VAR, B_groups, programs, blocks, dim, dstate, seqlen,
+                var_M, var_row, NP, T, BM_STATES, BM_STEPS, ELEMENTS, ACC)  # fmt: skip
     elif pid < end_C:
-        if C_VAR:
-            _sum_job(dC_part, dC, pid - end_B, blocks // C_groups, var_M, seqlen, dstate,
-                     var_row, 1, seqlen, NP, T, BM_STEPS, ELEMENTS, ACC)  # fmt: skip
-        else:
-            _sum_job(dC_part, dC, pid - end_B, programs, dim * NP, dim, dstate, 0, dstate, 1,
-                     NP, 1, BM_STATES, ELEMENTS, ACC)  # fmt: skip
+        _bc_job(dC_part, dC, pid - end_B, C_VAR, C_groups, programs, blocks, dim, dstate, seqlen,
+                var_M, var_row, NP, T, BM_STATES, BM_STEPS, ELEMENTS, ACC)  # fmt: skip
     elif pid < end_D:
         if HAS_D:
-            _sum_job(dD_part, dD, pid - end_C, programs, dim, dim, 1, 0, 1, 0, 1, 1,
-                     BM_CHANNELS, ELEMENTS, ACC)  # fmt: skip
+            _channels_job(dD_part, dD, pid - end_C, programs, dim, BM_CHANNELS, ELEMENTS, ACC)
     elif HAS_BIAS:
-        _sum_job(dbias_part, dbias, pid - end_D, programs, dim, dim, 1, 0, 1, 0, 1, 1,
-                 BM_CHANNELS, ELEMENTS, ACC)  # fmt: skip
+        _channels_job(dbias_part, dbias, pid - end_D, programs, dim, BM_CHANNELS, ELEMENTS, ACC)
