@@ -882,7 +882,7 @@ def grad_sums(p: _Plan, launchers, parts: tuple, A: Tensor, B: Tensor, C: Tensor
     """(dA, dB, dC, dD, ddelta_bias) from the backward kernel's partial sums ``parts`` (in that
     order), in one launch of kernels/grad_sums.py: each a fresh contiguous tensor of its
     input's shape and dtype, None for an absent D or delta_bias."""
-    if p.sums is None or launchers is None:
+    if p.sums is None:  # traced calls build a fresh plan each time
         p.sums = grad_sums_launch(p, B, C, D, delta_bias)
     grid, args, options = p.sums
     outs = [None if t is None else t.new_empty(t.shape) for t in (A, B, C, D, delta_bias)]
