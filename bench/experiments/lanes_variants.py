@@ -38,37 +38,6 @@ from selective_scan import selective_scan_fn, selective_scan_ref  # noqa: E402
 from selective_scan.kernels import scan, scan_fwd_lanes  # noqa: E402
 from selective_scan.kernels.offline import compile_sm90, record_launches  # noqa: E402
 
-
-def z_prefetch_at(state: str) -> list:
-    """Edits: z's rows prefetched into L2 (see zpf) when the state loop reaches `state`, by a
-    predicate (a branch in the loop took it to 281 instructions a state)."""
-    return [
-        (
-            "    y = tl.zeros([BD, CH], ACC)\n",
-            "    y = tl.zeros([BD, CH], ACC)\n"
-            "    if FAST & HAS_Z:\n"
-            "        z_lines = (seqlen * z_ptr.dtype.element_ty.primitive_bitwidth + 1023)"
-            " // 1024\n"
-            "        zj = tl.arange(0, 32)\n"
-            "        z_line = (z_ptr + batch * s_zb"
-            " + (blk * BD + zj // z_lines).to(tl.int64) * s_zd"
-            " + ((zj % z_lines) * (1024 // z_ptr.dtype.element_ty.primitive_bitwidth))"
-            ".to(tl.int64) * s_zt)\n"
-            "        z_ok = zj < tl.minimum(BD, dim - blk * BD) * z_lines\n",
-        ),
-        (
-            "        b = b_next\n",
-            "        if FAST & HAS_Z:\n"
-            "            tl.inline_asm_elementwise(\n"
-            '                "{ .reg .pred q; setp.ne.u32 q, $2, 0; @q prefetch.global.L2 [$1];'
-            ' mov.u32 $0, 0; }",\n'
-            '                "=r,l,r", [z_line, (z_ok & (n == ' + state + ")).to(tl.int32)],"
-            " dtype=tl.int32, is_pure=False, pack=1)\n"
-            "        b = b_next\n",
-        ),
-    ]
-
-
 # A variant's tiles and register cap are the committed kernel's unless it says.
 LANES16 = {"LANES": 16, "NS": 1, "T": 16}
 VARIANTS = {
@@ -86,27 +55,6 @@ VARIANTS = {
         tiles={"LANES": 32, "NS": 1, "T": 8},
         maxnreg=64,
     ),
-    # z's rows prefetched into L2 at the start (session 25): the epilogue's z load then hits
-    # L2 instead of waiting on DRAM with every warp at once.
-    "zpf": dict(
-        edits=[
-            ("s_t, DSTATE: tl.constexpr, LPR):", "s_t, DSTATE, LPR):"),
-            (
-                "            _prefetch_rows(C_start, k, s_Cn, s_Ct, DSTATE, C_lines)\n",
-                "            _prefetch_rows(C_start, k, s_Cn, s_Ct, DSTATE, C_lines)\n"
-                "        if HAS_Z:\n"
-                "            z_lines = (seqlen * z_ptr.dtype.element_ty.primitive_bitwidth + 1023)"
-                " // 1024\n"
-                "            z_rows = z_ptr + batch * s_zb + (blk * BD).to(tl.int64) * s_zd\n"
-                "            _prefetch_rows(z_rows, 0, s_zd, s_zt, tl.minimum(BD, dim - blk * BD),"
-                " z_lines)\n",
-            ),
-        ],
-    ),
-    # The same, later: at the start, z's lines queued behind delta's and u's (all programs
-    # load theirs at once); mid-loop, DRAM is idle (session 25).
-    "zmid": dict(edits=z_prefetch_at("DSTATE // 2")),
-    "z3q": dict(edits=z_prefetch_at("DSTATE * 3 // 4")),
     # The per-state stores as inline PTX (Triton's coalescing pass gave them a layout of their
     # own, and `ends` a shuffle into it at every state), with the lanes' indices taken from each
     # thread's last step as `ends` is (session 25).
@@ -149,6 +97,145 @@ VARIANTS = {
     "unroll2": dict(
         edits=[
             ("for n in tl.range(0, DSTATE):", "for n in tl.range(0, DSTATE, loop_unroll_factor=2):")
+        ]
+    ),
+    # Probe, wrong results: every state reads state 0's B and C rows (L1 hits after the
+    # first): what the per-state loads' latency costs (session 29: -0.57 us before z's
+    # prefetch landed, -0.06 after).
+    "bsame": dict(
+        edits=[
+            ("_bc_rows(B_seq + n1 * s_Bn,", "_bc_rows(B_seq + n1 * (seqlen >> 20) * s_Bn,"),
+            ("_bc_rows(C_seq + n * s_Cn,", "_bc_rows(C_seq + n * (seqlen >> 20) * s_Cn,"),
+        ]
+    ),
+    # C's row loaded a state ahead, as B's (session 29: +2.3 us, 13 spill reloads a state).
+    "cahead": dict(
+        edits=[
+            (
+                "    b_next = _bc_rows(B_seq, B_offs, B_ok, ACC, BD, LANES, S)\n",
+                "    b_next = _bc_rows(B_seq, B_offs, B_ok, ACC, BD, LANES, S)\n"
+                "    c_next = _bc_rows(C_seq, C_offs, C_ok, ACC, BD, LANES, S)\n",
+            ),
+            (
+                "        c = _bc_rows(C_seq + n * s_Cn, C_offs, C_ok, ACC, BD, LANES, S)\n",
+                "        c = c_next\n"
+                "        c_next = _bc_rows(C_seq + n1 * s_Cn, C_offs, C_ok, ACC, BD, LANES, S)\n",
+            ),
+        ]
+    ),
+    # The lines of the next state's B and C loads prefetched into L1 at the top of each state,
+    # one line a lane: ptxas issues those loads late, under the register cap (session 29:
+    # 59 us against 21.4).
+    "l1pf": dict(
+        edits=[
+            (
+                "    u_seq = u_ptr + batch * s_ub\n",
+                "    pj = tl.arange(0, 32)\n"
+                "    if FAST:\n"
+                "        B_v: tl.constexpr = 1024 // B_ptr.dtype.element_ty.primitive_bitwidth\n"
+                "        C_v: tl.constexpr = 1024 // C_ptr.dtype.element_ty.primitive_bitwidth\n"
+                "        pf_line = tl.where(\n"
+                "            pj < B_lines, B_start + (pj * B_v).to(tl.int64) * s_Bt,\n"
+                "            C_start + ((pj - B_lines) * C_v).to(tl.int64) * s_Ct)\n"
+                "        pf_state = tl.where(pj < B_lines, s_Bn, s_Cn)\n"
+                "        pf_ok = (pj < B_lines + C_lines).to(tl.int32)\n"
+                "    u_seq = u_ptr + batch * s_ub\n",
+            ),
+            (
+                "        b_next = _bc_rows(B_seq + n1 * s_Bn,",
+                "        if FAST:\n"
+                "            pf_n = tl.where(pj < B_lines, tl.minimum(n + 2, DSTATE - 1), n1)\n"
+                "            tl.inline_asm_elementwise(\n"
+                '                "{ .reg .pred q; setp.ne.u32 q, $2, 0;"\n'
+                '                " @q prefetch.global.L1 [$1]; mov.u32 $0, 0; }",\n'
+                '                "=r,l,r", [pf_line + pf_n * pf_state, pf_ok], dtype=tl.int32,\n'
+                "                is_pure=False, pack=1)\n"
+                "        b_next = _bc_rows(B_seq + n1 * s_Bn,",
+            ),
+        ]
+    ),
+    # The gate's sigmoid with one reciprocal for four steps (sigmoid(z) = m / w, w = 1 + e,
+    # e = exp(-|z|), m = 1 or e by z's sign; w lies in [1, 2], so a product of four cannot
+    # overflow): 20 MUFU a thread in the epilogue, not 32 (session 29: +0.12 to +0.18 us).
+    "gate4": dict(
+        edits=[
+            (
+                "@triton.jit\ndef _scan_fwd_lanes_kernel(",
+                "@triton.jit\n"
+                "def _sigmoid4(z, BD: tl.constexpr, CH: tl.constexpr, FAST: tl.constexpr):\n"
+                "    e = tl.math.exp2(-tl.abs(z) * LOG2E)\n"
+                "    m = tl.where(z >= 0, 1.0, e)\n"
+                "    w02, w13 = tl.split(tl.reshape(1.0 + e, [BD, CH // 4, 2, 2]))\n"
+                "    w0, w2 = tl.split(w02)\n"
+                "    w1, w3 = tl.split(w13)\n"
+                "    p01 = w0 * w1\n"
+                "    p23 = w2 * w3\n"
+                "    r = reciprocal(p01 * p23, FAST)\n"
+                "    r01 = r * p23\n"
+                "    r23 = r * p01\n"
+                "    inv = tl.join(tl.join(w1 * r01, w3 * r23), tl.join(w0 * r01, w2 * r23))\n"
+                "    return m * tl.reshape(inv, [BD, CH])\n"
+                "\n\n"
+                "@triton.jit\ndef _scan_fwd_lanes_kernel(",
+            ),
+            ("out *= zz * sigmoid(zz, FAST)", "out *= zz * _sigmoid4(zz, BD, CH, FAST)"),
+            ("import LOG2E, block_and_sequence,", "import LOG2E, reciprocal, block_and_sequence,"),
+        ]
+    ),
+    # The lanes' scan without shuffling P: round d multiplies by the decay of lanes (l - d, l],
+    # exp2(A log2(e) W_d(l)) with W_d the sum of delta over those lanes, the same at every
+    # state and summed once before the loop (session 29: +1.4 us, 12 spill reloads a state).
+    "pexp": dict(
+        edits=[
+            (
+                '    h0, log_p = f"${3 * steps}", f"${4 * steps}"\n',
+                '    h0, log_p = f"${3 * steps}", f"${4 * steps}"\n'
+                '    log_w = {2: f"${5 * steps}", 4: f"${6 * steps}", 8: f"${7 * steps}"}\n',
+            ),
+            (
+                "        lines += [\n"
+                '            f"shfl.sync.up.b32 xu|p, X, {d}, {segment}, 0xffffffff;",\n'
+                '            f"shfl.sync.up.b32 pu, P, {d}, {segment}, 0xffffffff;",\n'
+                '            "@p fma.rn.f32 X, P, xu, X;",\n'
+                '            "@p mul.f32 P, P, pu;",\n'
+                "        ]\n",
+                "        if d > 1:\n"
+                '            lines.append(f"ex2.approx.ftz.f32 P, {log_w[d]};")\n'
+                "        lines += [\n"
+                '            f"shfl.sync.up.b32 xu|p, X, {d}, {segment}, 0xffffffff;",\n'
+                '            "@p fma.rn.f32 X, P, xu, X;",\n'
+                "        ]\n",
+            ),
+            ('["f"] * (4 * LANES_STEPS[1])', '["f"] * (7 * LANES_STEPS[1])'),
+            (
+                "        dt_sums = tl.sum(tl.reshape(dt, [BD, LANES, S]), axis=2)  # [BD, LANES]\n",
+                "        dt_sums = tl.sum(tl.reshape(dt, [BD, LANES, S]), axis=2)  # [BD, LANES]\n"
+                "        w2 = _window_sum(dt_sums, 1, LANES)\n"
+                "        w4 = _window_sum(w2, 2, LANES)\n"
+                "        w8 = _window_sum(w4, 4, LANES)\n",
+            ),
+            (
+                "@triton.jit\ndef _scan_fwd_lanes_kernel(",
+                "@triton.jit\n"
+                "def _window_sum(w, d: tl.constexpr, LANES: tl.constexpr):\n"
+                "    lane = tl.arange(0, LANES)[None, :]\n"
+                "    back = tl.broadcast_to(tl.maximum(lane - d, 0), w.shape)\n"
+                "    return w + tl.where(lane >= d, tl.gather(w, back, axis=1), 0.0)\n"
+                "\n\n"
+                "@triton.jit\n"
+                "def _wide(v, BD: tl.constexpr, LANES: tl.constexpr, S: tl.constexpr):\n"
+                "    v = tl.broadcast_to(v[:, :, None], [BD, LANES, S])\n"
+                "    return tl.reshape(v, [BD, LANES * S])\n"
+                "\n\n"
+                "@triton.jit\ndef _scan_fwd_lanes_kernel(",
+            ),
+            (
+                "                [a, x, tl.broadcast_to(h0, [BD, CH]), log_p],\n",
+                "                [a, x, tl.broadcast_to(h0, [BD, CH]), log_p,\n"
+                "                 _wide(w2 * A2_lanes, BD, LANES, S),\n"
+                "                 _wide(w4 * A2_lanes, BD, LANES, S),\n"
+                "                 _wide(w8 * A2_lanes, BD, LANES, S)],\n",
+            ),
         ]
     ),
 }

@@ -182,14 +182,14 @@ def _lane_ends(x, BD: tl.constexpr, LANES: tl.constexpr, S: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rows(ptr, k, s_n, s_t, DSTATE: tl.constexpr, LPR):
-    """Prefetch into L2 lines k * 32 + lane of rows ptr + n s_n (n < DSTATE) of LPR lines."""
+def _prefetch_rows(ptr, k, s_n, s_t, rows, LPR):
+    """Prefetch into L2 lines k * 32 + lane of rows ptr + n s_n (n < rows) of LPR lines."""
     j = k * 32 + tl.arange(0, 32)
     STEPS: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth  # a line's steps
     line = ptr + (j // LPR) * s_n + ((j % LPR) * STEPS).to(tl.int64) * s_t
     tl.inline_asm_elementwise(
         "{ .reg .pred q; setp.ne.u32 q, $2, 0; @q prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [line, (j < DSTATE * LPR).to(tl.int32)], dtype=tl.int32, is_pure=False,
+        "=r,l,r", [line, (j < rows * LPR).to(tl.int32)], dtype=tl.int32, is_pure=False,
         pack=1,
     )  # fmt: skip
 
@@ -291,6 +291,14 @@ def _scan_fwd_lanes_kernel(
     y = tl.zeros([BD, CH], ACC)
     if HAS_D:
         y += tl.load(D_ptr + ch64 * s_D, mask=row_ok, other=0.0).to(ACC) * uu
+    if FAST & HAS_Z:
+        # z's rows into L2 now that delta's and u's loads are in: from DRAM, the epilogue's
+        # first use of z waited with every warp at once (ncu: 6% of S6's stall samples). S6 as
+        # a CUDA graph 21.1-21.2 -> 20.8 us (bench/NOTES.md, session 29); at the start, with
+        # delta's and u's loads, it cost as much as it saved (session 25).
+        z_lines = (seqlen * z_ptr.dtype.element_ty.primitive_bitwidth + 1023) // 1024
+        z_rows = z_ptr + batch * s_zb + (blk * BD).to(tl.int64) * s_zd
+        _prefetch_rows(z_rows, 0, s_zd, s_zt, tl.minimum(BD, dim - blk * BD), z_lines)
     for n in tl.range(0, DSTATE):
         b = b_next
         A2 = A_next * tl.full([1, 1], LOG2E, ACC)  # exact in float64 (a bare literal is fp32)
@@ -304,7 +312,10 @@ def _scan_fwd_lanes_kernel(
         a = tl.math.exp2(dt * A2)
         x = dtu * b
         if FAST:
-            log_p = tl.reshape(tl.broadcast_to((dt_sums * A2)[:, :, None], [BD, LANES, S]),
+            # A in the lanes' layout picked from the steps' (register picks): taken from A2
+            # itself, it was loaded twice a state, once a layout (S6: -0.07 us, session 29).
+            A2_lanes = _lane_ends(tl.broadcast_to(A2, [BD, CH]), BD, LANES, S)
+            log_p = tl.reshape(tl.broadcast_to((dt_sums * A2_lanes)[:, :, None], [BD, LANES, S]),
                                [BD, CH])  # fmt: skip
             hs = tl.inline_asm_elementwise(
                 _PTX,
