@@ -20,7 +20,8 @@ outer * T + inner < length:
 (G: groups, L = dstate * seqlen.)
 
 A program sums BM consecutive m of one row over all K terms, BK terms a load. Jobs take
-consecutive ranges of the grid's one axis (dA, dB, dC, dD, ddelta_bias); an absent one takes
+consecutive ranges of the grid's one axis (dA, dB, dC, dD, ddelta_bias), which the launcher
+sizes and passes as the ranges' ends (kernels/scan.py, grad_sums_launch); an absent one takes
 none. Replaces seven torch reductions and two copies: about 30 us of S6's 112 us of backward
 kernels, and their host time (bench/NOTES.md, session 27).
 """
@@ -59,11 +60,6 @@ def _sum_job(
 
 
 @triton.jit
-def _job_programs(R, M, BM: tl.constexpr):
-    return R * tl.cdiv(M, BM)
-
-
-@triton.jit
 def _states_job(part, out, pid, programs, dim, dstate, NP: tl.constexpr, BM: tl.constexpr,
                 ELEMENTS: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """dA, constant dB or dC: (programs, dim, NP) partials into (dim, dstate)."""
@@ -91,30 +87,21 @@ def _bc_job(part, out, pid, VAR: tl.constexpr, groups, programs, blocks, dim, ds
         _states_job(part, out, pid, programs, dim, dstate, NP, BM_STATES, ELEMENTS, ACC)
 
 
-@triton.jit
+# The jobs' ends vary with every size: specialized on their divisibility, each shape would
+# compile a kernel of its own.
+@triton.jit(do_not_specialize=["end_A", "end_B", "end_C", "end_D"])
 def _grad_sums_kernel(
     dA_part, dA, dB_part, dB, dC_part, dC, dD_part, dD, dbias_part, dbias,
-    programs, dim, dstate, seqlen, tiles, batch, blocks, B_groups, C_groups,
+    programs, dim, dstate, seqlen, tiles, blocks, B_groups, C_groups, end_A, end_B, end_C, end_D,
     NP: tl.constexpr, T: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
     HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, BM_STATES: tl.constexpr,
     BM_STEPS: tl.constexpr, BM_CHANNELS: tl.constexpr, ELEMENTS: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    # Each job's sizes as in the module's table; jobs end where the next begins. A variable
-    # job's rows (dstate * seqlen outputs, tiles * NP * T partials) may pass 2**31 elements, as
-    # the backward kernel's offsets into them do: int64.
+    # A variable job's rows (dstate * seqlen outputs, tiles * NP * T partials) may pass 2**31
+    # elements, as the backward kernel's offsets into them do: int64.
     var_M = tl.cast(tiles, tl.int64) * (NP * T)  # tl.cast: sizes of 1 come as constants
     var_row = tl.cast(seqlen, tl.int64) * dstate
-    B_BM: tl.constexpr = BM_STEPS if B_VAR else BM_STATES
-    C_BM: tl.constexpr = BM_STEPS if C_VAR else BM_STATES
-    B_R = batch * B_groups if B_VAR else 1
-    C_R = batch * C_groups if C_VAR else 1
-    B_M = var_M if B_VAR else dim * NP
-    C_M = var_M if C_VAR else dim * NP
-    end_A = _job_programs(1, dim * NP, BM_STATES)
-    end_B = end_A + _job_programs(B_R, B_M, B_BM)
-    end_C = end_B + _job_programs(C_R, C_M, C_BM)
-    end_D = end_C + (_job_programs(1, dim, BM_CHANNELS) if HAS_D else 0)
     if pid < end_A:
         _states_job(dA_part, dA, pid, programs, dim, dstate, NP, BM_STATES, ELEMENTS, ACC)
     elif pid < end_B:

@@ -17,6 +17,7 @@ per-step input and output while a call runs (see `padded`).
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from typing import NamedTuple
 
@@ -863,13 +864,15 @@ def grad_sums_launch(p: _Plan, B: Tensor, C: Tensor, D: Tensor | None,
     BM_STATES = grad_sum_tile(1, dim * NP)
     BM_STEPS = grad_sum_tile(batch * max(groups), tiles * NP * T)
     BM_CHANNELS = grad_sum_tile(1, dim)
-    jobs = [(1, dim * NP, BM_STATES)]  # (rows, M, BM) of dA, dB, dC, dD, ddelta_bias
+    # Programs of dA, dB, dC, dD and ddelta_bias (grad_sums.py's table): rows * cdiv(M, BM).
+    counts = [cdiv(dim * NP, BM_STATES)]
     for t, g in zip((B, C), groups, strict=True):
-        jobs.append((batch * g, tiles * NP * T, BM_STEPS) if t.dim() > 2 else jobs[0])
-    jobs += [(1, dim, BM_CHANNELS) for t in (D, delta_bias) if t is not None]
-    grid = (sum(rows * cdiv(M, BM) for rows, M, BM in jobs), 1, 1)
-    args = (p.num_states * p.n_ranges, dim, p.dstate, p.seqlen, tiles, batch, p.n_blocks,
-            *groups)  # fmt: skip
+        counts.append(batch * g * cdiv(tiles * NP * T, BM_STEPS) if t.dim() > 2 else counts[0])
+    counts += [0 if t is None else cdiv(dim, BM_CHANNELS) for t in (D, delta_bias)]
+    ends = list(itertools.accumulate(counts))  # each job's range of the grid ends there
+    grid = (ends[-1], 1, 1)
+    args = (p.num_states * p.n_ranges, dim, p.dstate, p.seqlen, tiles, p.n_blocks, *groups,
+            *ends[:4])  # fmt: skip
     options = dict(NP=NP, T=T, B_VAR=B.dim() > 2, C_VAR=C.dim() > 2, HAS_D=D is not None,
                    HAS_BIAS=delta_bias is not None, BM_STATES=BM_STATES, BM_STEPS=BM_STEPS,
                    BM_CHANNELS=BM_CHANNELS, ELEMENTS=GRAD_SUM_ELEMENTS, ACC=p.flags["ACC"],
