@@ -88,7 +88,7 @@ PROBE_DIR="$(mktemp -d)"
 stage probe "${PROBE_TIMEOUT:-40}" 3 python3 scripts/aoti_probe.py --out "$PROBE_DIR" --backtrace
 cp "$PROBE_DIR/aoti_probe.json" "$OUT/" 2>/dev/null
 # --no-aoti: loading AOTInductor packages crashes on the lent machine's image (see above).
-stage copying "${COPYING_TIMEOUT:-0}" 30 python3 -m selective_scan.copying --device cuda --no-aoti \
+stage copying "${COPYING_TIMEOUT:-0}" 30 python3 -m selective_scan.apps.copying --device cuda --no-aoti \
     --out "$(mktemp -d)"
 if [ "${SAVE_TRITON_CACHE:-0}" = 1 ]; then tar czf "$OUT/triton_cache.tgz" -C "$BENCH_CACHE" .; fi
 ls "$OUT"

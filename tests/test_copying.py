@@ -1,4 +1,4 @@
-"""The selective-copying main job (`python -m selective_scan.copying`): its data, its pieces,
+"""The selective-copying main job (`python -m selective_scan.apps.copying`): its data, its pieces,
 and one end-to-end run at a tiny size (a few training steps, an AOTInductor build: about a
 minute on a 2-core CPU)."""
 
@@ -7,10 +7,10 @@ import io
 import pytest
 import torch
 
-from selective_scan import copying, copying_train
-from selective_scan.copying_task import BLANK, FIRST_SYMBOL, MARKER, SelectiveCopying, as_text
+from selective_scan.apps import copying, copying_train
+from selective_scan.apps.copying_task import BLANK, FIRST_SYMBOL, MARKER, SelectiveCopying, as_text
+from selective_scan.apps.progress import ProgressBar
 from selective_scan.models import MambaLMHeadModel
-from selective_scan.progress import ProgressBar
 
 TASK = SelectiveCopying(context_len=20, num_data=5, num_symbols=6)
 

@@ -1,9 +1,9 @@
-"""The demo (`python -m selective_scan.demo`) end to end at a tiny size.
+"""The demo (`python -m selective_scan.apps.demo`) end to end at a tiny size.
 
 Every mode runs, including an AOTInductor compile (tens of seconds on a 2-core CPU).
 """
 
-from selective_scan import demo
+from selective_scan.apps import demo
 
 
 def test_demo_passes_and_writes_files(tmp_path, capsys, monkeypatch):

@@ -11,8 +11,8 @@ from typing import TextIO
 import torch
 from torch import Tensor
 
+from ..models import MambaLMHeadModel
 from .copying_task import SelectiveCopying
-from .models import MambaLMHeadModel
 from .progress import ProgressBar
 
 

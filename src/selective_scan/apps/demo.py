@@ -1,7 +1,7 @@
 """Run the selective scan every way a model ships, and check each against float64.
 
-    python -m selective_scan.demo                  # CPU, or CUDA when a GPU is present
-    python -m selective_scan.demo --device cpu --seqlen 1024 --out /tmp/scan
+    python -m selective_scan.apps.demo                  # CPU, or CUDA when a GPU is present
+    python -m selective_scan.apps.demo --device cpu --seqlen 1024 --out /tmp/scan
 
 A Mamba-style layer (A, D and delta_bias as parameters; u, delta, B, C and z as inputs) runs on
 random inputs in eager mode, under ``torch.compile(fullgraph=True)``, as a ``torch.export``
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from . import selective_scan_fn, selective_scan_ref
+from .. import selective_scan_fn, selective_scan_ref
 
 # Bounds on the relative error ||actual - reference|| / ||reference|| (the worst over every
 # output or gradient) by input dtype. Float32 runs measure about 1e-6; the low-precision bounds
@@ -236,7 +236,7 @@ def format_table(rows: Sequence[Row]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (0 when every check passes)."""
     parser = argparse.ArgumentParser(
-        prog="python -m selective_scan.demo",
+        prog="python -m selective_scan.apps.demo",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,8 +1,8 @@
 """Train a small Mamba LM on selective copying, export it, and check every artifact against it.
 
-    python -m selective_scan.copying                     # CPU preset: a few minutes on 2 cores
-    python -m selective_scan.copying --device cuda       # GPU preset: longer rows, more symbols
-    python -m selective_scan.copying --steps 40 --seqlen 16 --out /tmp/copying
+    python -m selective_scan.apps.copying                # CPU preset: minutes on 2 cores
+    python -m selective_scan.apps.copying --device cuda  # GPU preset: longer rows, more symbols
+    python -m selective_scan.apps.copying --steps 40 --seqlen 16 --out /tmp/copying
 
 In one command: trains ``MambaLMHeadModel`` on the selective-copying task (copying_task.py) on
 batches generated on the fly from a seeded generator, through a training step compiled with
@@ -34,10 +34,10 @@ from typing import TextIO
 import torch
 from torch import Tensor
 
+from ..models import MambaLMHeadModel
 from .copying_task import MARKER, SelectiveCopying, as_text
 from .copying_train import PRESETS, Settings, build_model, train
 from .demo import time_call
-from .models import MambaLMHeadModel
 
 Forward = Callable[[Tensor], Tensor]  # input_ids (batch, seqlen) -> logits (batch, seqlen, vocab)
 
@@ -232,7 +232,7 @@ def describe(task: SelectiveCopying, settings: Settings, device: torch.device, p
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m selective_scan.copying",
+        prog="python -m selective_scan.apps.copying",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
