@@ -1,0 +1,12 @@
+"""Distributed Mamba on torch.distributed: DTensor sharding rules of the operators, tensor
+parallelism of the Mamba layer, and context parallelism of the scan (docs/distributed.md).
+
+Importing this package registers the sharding rules, so that the public functions accept
+DTensors.
+"""
+
+from .sharding import register_sharding_rules
+
+register_sharding_rules()
+
+__all__ = ["register_sharding_rules"]
