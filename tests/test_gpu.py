@@ -54,6 +54,13 @@ GRID = [
     # The lanes kernel (scan_fwd_lanes.py) at S6's length; at 128 steps in 3 groups, float32
     dict(batch=1, dim=640, seqlen=256, dtype=torch.bfloat16, initial_state=True),
     dict(batch=2, dim=96, seqlen=128, b_form="grouped", c_form="grouped", groups=3),
+    # Grouped B/C, 2 channels a group, cut into ranges: each program covers 2 channels of a
+    # whole-warp tile (common.block_channels). With 2-row tiles the gradients were wrong from
+    # 512 steps on (du, ddelta, dA, dB, ddelta_bias; test_sm90_compile.py checks the layouts).
+    *[
+        dict(dim=4, dstate=8, seqlen=L, b_form="grouped", c_form="grouped", groups=2)
+        for L in (512, 4096)
+    ],
     # dB/dC summed from bfloat16 partials of many blocks (96 a group; S1 has 192)
     dict(dim=1536, seqlen=512, dtype=torch.bfloat16, b_form="grouped", groups=2),
 ]

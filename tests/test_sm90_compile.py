@@ -29,6 +29,12 @@ CASES = [
     # padded states, masked steps; float32 B/C and an odd channel count.
     {**GROUPED, "batch": 2, "dim": 8, "dstate": 5, "seqlen": 48, "dtype": "bfloat16"},
     dict(batch=1, dim=7, dstate=16, seqlen=144, dtype="float32", initial_state=True),
+    # Grouped B/C with fewer channels a group than a tile has rows, cut into ranges (dim 4,
+    # groups 2: each program covers 2 channels). Its tiles once had as few rows, Triton spread
+    # them over lanes with values replicated, and the backward's local pass scanned such a
+    # layout wrongly on the H200 (wrong du, ddelta, dA, dB from 512 steps on); odd groups too.
+    {**GROUPED, "batch": 2, "dim": 4, "dstate": 8, "seqlen": 512, "dtype": "float32"},
+    {**GROUPED, "groups": 4, "dim": 12, "dstate": 4, "seqlen": 640, "dtype": "bfloat16"},
     # 256 states, mamba's limit, split over a warp in every pass (scan.STATE_LANES), over ranges
     # (the earlier tiles held 64 to 128 a thread; with 64 states, 16 to 64 a thread, a case like
     # this compiled in 4.6 minutes).

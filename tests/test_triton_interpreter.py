@@ -112,6 +112,11 @@ CASES = {
     # one full chunk with an initial state; a masked tail with grouped B and C and padded
     # states; an odd channel count (a program's second channel masked), three checkpoint slots.
     # On a GPU these shapes take the lanes kernel without forcing it.
+    # Grouped B/C with 2 channels a group, cut into 4 ranges: each program covers 2 channels in
+    # a tile of 8 or 16 rows (common.block_channels). Wrong gradients on the H200 when the tiles
+    # had 2 rows (test_sm90_compile.py checks the layouts that caused it).
+    "grouped-two-channels-ranges": dict(dim=4, dstate=8, seqlen=384, b_form="grouped",
+                                        c_form="grouped", groups=2),
     "lanes-init": dict(batch=1, seqlen=256, dstate=16, initial_state=True, fwd_tiles=LANES),
     "lanes-bf16-masked-grouped": dict(seqlen=48, dtype=torch.bfloat16, dstate=5,
                                       b_form="grouped", c_form="grouped", D=False,
@@ -561,6 +566,27 @@ def test_grids_take_large_batches():
             assert grids == [(p.n_blocks * 70000, 1, 1)]
 
 
+@pytest.mark.parametrize("dstate", [1, 4, 8, 16, 64])
+@pytest.mark.parametrize(("dim", "groups"), [(4, 2), (6, 2), (24, 4), (8, 1), (96, 3), (4096, 4)])
+def test_tiles_fill_the_warp(dim, groups, dstate):
+    """Every tile, forward and backward, full and local pass, has a whole warp's (channel,
+    lane) pairs, whatever the channels of a group: grouped B/C narrow the channels a program
+    covers (BLOCK), never the tile (BD). Tiles of fewer rows got layouts that Triton's scan
+    lowering got wrong on the H200 (test_sm90_compile.py)."""
+    form = "grouped" if groups > 1 else "variable"
+    x = make_inputs(device="cpu", batch=2, dim=dim, dstate=dstate, seqlen=4096, groups=groups,
+                    b_form=form, c_form=form)  # fmt: skip
+    for tiles in (scan.config, scan.bwd_config):
+        p = scan._Plan(tiles, *[x.get(k) for k in SCAN_INPUTS])
+        assert groups == 1 or (dim // groups) % p.cfg["BLOCK"] == 0
+        assert p.cfg["BLOCK"] <= p.cfg["BD"]
+        for local, grid, override in p.launches():
+            t = p.cfg | override
+            lanes = t.get("LANES") or t["NS"]
+            assert t["BD"] * lanes == 32 * t["num_warps"], (local, t)
+            assert grid[0] == scan.cdiv(dim, t["BLOCK"]) * 2
+
+
 def test_local_pass_tiles(monkeypatch):
     """The ranges' local pass takes its own tiles (LOCAL_NS) and grid; the full pass keeps the
     plan's. By default the forward's local pass has 1 lane a channel (its full pass 2: the
@@ -571,13 +597,13 @@ def test_local_pass_tiles(monkeypatch):
         scan.config, *inputs
     ).launches()
     assert (local, full, full_tiles) == (True, False, {})
-    assert tiles == dict(NS=1, NI=16, BD=32) and (local_grid[0], grid[0]) == (2, 4)
+    assert tiles == dict(NS=1, NI=16, BD=32, BLOCK=32) and (local_grid[0], grid[0]) == (2, 4)
     assert local_grid[2] == grid[2] - 1 > 0  # every range but the first
     (_, local_grid, tiles), (_, grid, _) = scan._Plan(scan.bwd_config, *inputs).launches()
-    assert tiles == dict(NS=2, NI=8, BD=16) and (local_grid[0], grid[0]) == (4, 8)
+    assert tiles == dict(NS=2, NI=8, BD=16, BLOCK=16) and (local_grid[0], grid[0]) == (4, 8)
     monkeypatch.setattr(scan, "config", scan.overridden(scan.config, {"LOCAL_NS": 2}))
     (_, local_grid, tiles), (_, grid, _) = scan._Plan(scan.config, *inputs).launches()
-    assert tiles == dict(NS=2, NI=8, BD=16) and local_grid[0] == grid[0] == 4
+    assert tiles == dict(NS=2, NI=8, BD=16, BLOCK=16) and local_grid[0] == grid[0] == 4
 
 
 @pytest.mark.parametrize("dstate", [17, 64, 100, 256, 300])

@@ -26,6 +26,22 @@ def block_and_sequence(dim, BD: tl.constexpr):
 
 
 @triton.jit
+def block_channels(blk, dim, BD: tl.constexpr, BLOCK: tl.constexpr):
+    """(channel of each of the tile's BD rows, [BD]; whether the row is one of the program's
+    BLOCK channels and below dim). A tile always has a whole warp's rows: a program of grouped
+    B/C covers only channels of one group (BLOCK, a power of two dividing the group's channel
+    count) and masks its other rows. With fewer rows than lanes, Triton lays the time axis
+    across lanes and replicates values over the rest, and its scan lowering gave wrong
+    results there on the H200 (docs/design.md, "Tiles fill the warp")."""
+    rows = tl.arange(0, BD)
+    ch = blk * BLOCK + rows
+    ok = ch < dim
+    if BLOCK < BD:
+        ok = ok & (rows < BLOCK)
+    return ch, ok
+
+
+@triton.jit
 def combine(a1, x1, a2, x2):
     """Compose two steps h -> a h + x (first (a1, x1), then (a2, x2))."""
     return a1 * a2, a2 * x1 + x2

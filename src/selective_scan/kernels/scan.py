@@ -287,10 +287,11 @@ def state_lanes(dstate: int, role: int, lanes: int) -> int:
 
 def _tiles(dim, dstate, B: Tensor, C: Tensor, T: int, NS: int, lanes: int = 0) -> dict:
     """T steps per thread; the padded states split as NS lanes x NI per thread; CH channels per
-    thread, so a program (num_warps warps) covers BD = CH * (32 / NS) * num_warps channels. For
-    variable B/C, BD divides the channels of a group, so that a program's B/C tiles and dB/dC
-    partial sums belong to one group. LANES (scan_fwd_lanes.py): a channel's steps over that
-    many lanes instead, all states in each thread (NS = 1)."""
+    thread, so a program's tile (num_warps warps) has BD = CH * (32 / NS) * num_warps channel
+    rows. For grouped B/C, the BLOCK channels a program covers divide the channels of a group,
+    so that a program's B/C tiles and dB/dC partial sums belong to one group (_derive_block).
+    LANES (scan_fwd_lanes.py): a channel's steps over that many lanes instead, all states in
+    each thread (NS = 1)."""
     n_pad = triton.next_power_of_2(dstate)
     NS = min(NS, n_pad)
     cfg = dict(T=T, NS=NS, NI=n_pad // NS, CH=1, num_warps=1, STAGES=3, LANES=lanes)
@@ -345,11 +346,12 @@ def config(
     wide = _tiles(dim, dstate, B, C, T, NS=state_lanes(dstate, FWD, 4)) | both
     # Decided on plain ints: comparing SymInts would guard on them.
     states, dims, length, narrow_bd, wide_bd = (
-        size_hint(v) for v in (num_states, dim, seqlen, narrow["BD"], wide["BD"])
+        size_hint(v) for v in (num_states, dim, seqlen, narrow["BLOCK"], wide["BLOCK"])
     )
     if None in (states, dims, narrow_bd, wide_bd):  # sizes known only at run time
         return wide
-    cut = length is not None and ranges(dict(wide, BD=wide_bd), states, dims, length, varlen)[0] > 1
+    wide_plain = dict(wide, BLOCK=wide_bd)
+    cut = length is not None and ranges(wide_plain, states, dims, length, varlen)[0] > 1
     if states * cdiv(dims, narrow_bd) >= TARGET_WARPS or cut:
         return narrow | {"EPI": int(narrow["NS"] <= 2)}  # measured on 2-lane tiles only
     few = length is not None and states * cdiv(dims, wide_bd) < TARGET_WARPS // 2
@@ -424,16 +426,19 @@ def bwd_config(
 
 
 def _derive_block(cfg: dict, dim, B: Tensor, C: Tensor) -> dict:
+    """BD, the tile's rows (a whole warp's lanes, whatever the channel count), and BLOCK, the
+    channels a program covers: BD, or for grouped B/C the largest power of two dividing a
+    group's channels where that is fewer, the other rows masked (common.block_channels)."""
     cfg["NI"] = max(cfg.get("NI", 1), 1)
     if cfg.get("LANES"):  # the lanes kernel finds each channel's group itself
-        cfg["BD"] = 32 // cfg["LANES"] * cfg["num_warps"]
+        cfg["BD"] = cfg["BLOCK"] = 32 // cfg["LANES"] * cfg["num_warps"]
         return cfg
-    BD = cfg["CH"] * (32 // cfg["NS"]) * cfg["num_warps"]
+    cfg["BD"] = block = cfg["CH"] * (32 // cfg["NS"]) * cfg["num_warps"]
     for t in (B, C):
         if t.dim() == 4:
             per_group = dim // t.shape[1]
-            BD = min(BD, per_group & -per_group)  # largest power of two dividing it
-    cfg["BD"] = BD
+            block = min(block, per_group & -per_group)  # largest power of two dividing it
+    cfg["BLOCK"] = block
     return cfg
 
 
@@ -451,7 +456,7 @@ def ranges(cfg: dict, num_states, dim, seqlen, varlen: bool) -> tuple:
     chunks = cdiv(seqlen, CKPT)
     if varlen:
         return 1, chunks * CKPT
-    warps = num_states * cdiv(dim, cfg["BD"]) * cfg["num_warps"]
+    warps = num_states * cdiv(dim, cfg["BLOCK"]) * cfg["num_warps"]
     # A sequence cut at all (TARGET_WARPS at least twice the warps) is cut FINER times finer
     # (a tile setting, see config and bwd_config): the local pass costs per step, not per
     # range, and short ranges even out the waves. The factor is arithmetic, not a branch: no
@@ -505,7 +510,7 @@ class _Plan:
         self.cfg = cfg = cfg_fn(dim, self.dstate, u.dtype, B, C, self.num_states, seqlen, varlen,
                                 (u, delta, z))  # fmt: skip
         self.NP = cfg["NS"] * cfg["NI"]
-        self.n_blocks = cdiv(dim, cfg["BD"])
+        self.n_blocks = cdiv(dim, cfg["BLOCK"])
         # The ranges' local pass may split the states over other lanes (LOCAL_NS): its results
         # are indexed by channel and state, whatever the layout that computed them.
         local_ns = min(cfg["LOCAL_NS"], self.NP)
@@ -536,7 +541,8 @@ class _Plan:
         self.bc_layout = None if lanes else bc_layout(B, C, T, self.NP)
         wide = cu_seqlens is not None or pad
         self.flags = dict(
-            DSTATE=self.dstate, NS=cfg["NS"], NI=cfg["NI"], BD=cfg["BD"], T=T, CKPT=CKPT,
+            DSTATE=self.dstate, NS=cfg["NS"], NI=cfg["NI"], BD=cfg["BD"], BLOCK=cfg["BLOCK"],
+            T=T, CKPT=CKPT,
             HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
             HAS_H0=initial_state is not None, VARLEN=cu_seqlens is not None,
             B_VAR=B.dim() > 2, C_VAR=C.dim() > 2, ACC=_tl_dtype(cdt), FAST=_fast_math(u, cdt),
@@ -599,8 +605,8 @@ class _Plan:
         states, count = self.num_states, self.n_ranges
         if _may_exceed_one(count):
             lt = self.local_tiles
-            tiles = dict(NS=lt["NS"], NI=lt["NI"], BD=lt["BD"])
-            yield True, (cdiv(self.dim, lt["BD"]) * states, 1, count - 1), tiles
+            tiles = dict(NS=lt["NS"], NI=lt["NI"], BD=lt["BD"], BLOCK=lt["BLOCK"])
+            yield True, (cdiv(self.dim, lt["BLOCK"]) * states, 1, count - 1), tiles
         yield False, (self.n_blocks * states, 1, count), {}
 
 

@@ -21,7 +21,7 @@ gradient reaching the state before the range and sum(delta); the range entries' 
 (range_entries.py) combines those, last range first, into the true gradient at each range's
 end, where the full launch starts range r.
 
-dB/dC of variable B/C are summed over a block's BD channels inside the program (a reduce-scatter
+dB/dC of variable B/C are summed over the tile's BD rows inside the program (a reduce-scatter
 across the channel lanes, `channel_sums`), written per block (float32, or bfloat16 for bfloat16
 B/C; a block never spans two groups) and summed over the blocks of a group afterwards, in a
 fixed order; dA, dD, ddelta_bias and constant dB/dC are written per program and summed over
@@ -35,6 +35,7 @@ from .common import (
     LN2,
     LOG2E,
     block_and_sequence,
+    block_channels,
     channel_sums,
     combine,
     delta_tile,
@@ -100,7 +101,7 @@ def _scan_bwd_kernel(
     s_D, s_bias, s_hb, s_hd, s_hn,
     n_blocks, rows, s_ob, s_od, s_ot, s_lb, s_ld, s_ln, s_kb, s_kd, s_kc,
     DSTATE: tl.constexpr, NS: tl.constexpr, NI: tl.constexpr, BD: tl.constexpr,
-    T: tl.constexpr, CKPT: tl.constexpr,
+    BLOCK: tl.constexpr, T: tl.constexpr, CKPT: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, HAS_DLAST: tl.constexpr, VARLEN: tl.constexpr,
     B_VAR: tl.constexpr, C_VAR: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr,
@@ -109,7 +110,7 @@ def _scan_bwd_kernel(
 ):  # fmt: skip
     ALIGNED: tl.constexpr = ALIGN == 1  # see ALIGN in kernels/scan.py
     WHOLE: tl.constexpr = WIDE and ALIGNED  # load whole tiles (see tile_masks)
-    blk, seq, num_seqs = block_and_sequence(dim, BD)
+    blk, seq, num_seqs = block_and_sequence(dim, BLOCK)
     rng = tl.program_id(2)
     if LOCAL:  # the local launch covers ranges 1, 2, ...: range 0's gradient is not needed
         rng += 1
@@ -129,9 +130,9 @@ def _scan_bwd_kernel(
     NP: tl.constexpr = NS * NI
 
     ch_local = tl.arange(0, BD)[:, None, None]
-    ch = blk * BD + tl.arange(0, BD)
+    ch, ch_ok = block_channels(blk, dim, BD, BLOCK)
     ch64 = ch.to(tl.int64)[:, None, None]
-    row_ok = (ch < dim)[:, None, None]
+    row_ok = ch_ok[:, None, None]
     lane = tl.arange(0, NS)[None, :, None]
     i_idx = tl.arange(0, NI)[None, None, :]
     t_idx = tl.arange(0, T)[None, None, :]
@@ -142,7 +143,7 @@ def _scan_bwd_kernel(
     A2 = tl.load(A_ptr + ch64 * s_Ad + n * s_An, mask=st_ok, other=0.0).to(ACC)
     A2 *= tl.full([1, 1, 1], LOG2E, ACC)
     # B/C tiles are per program (a block never spans two groups), see scan_fwd.py.
-    ch_in = tl.minimum((blk * BD).to(tl.int64), dim - 1)
+    ch_in = tl.minimum((blk * BLOCK).to(tl.int64), dim - 1)
     B_const = tl.zeros([BD, NS, NI], ACC)
     C_const = tl.zeros([BD, NS, NI], ACC)
     if B_VAR:

@@ -1,6 +1,7 @@
 """Forward selective-scan kernel.
 
-One program = one sequence (a batch row, or one packed sequence of cu_seqlens) x BD channels.
+One program = one sequence (a batch row, or one packed sequence of cu_seqlens) x BLOCK channels,
+in a tile of BD >= BLOCK rows (see common.block_channels).
 It walks the sequence in tiles of T steps; for each of the NI states a thread holds it computes
 exp2(delta * A * log2(e)), delta * u * B, runs the recurrence along the tile in-thread from the
 carried state, and accumulates C * h into y. y is summed over the NS lanes of a channel, then
@@ -46,6 +47,7 @@ from triton.language.extra.cuda import gdc_wait
 from .common import (
     LOG2E,
     block_and_sequence,
+    block_channels,
     combine,
     delta_tile,
     load_states,
@@ -69,7 +71,7 @@ def _scan_fwd_kernel(
     s_D, s_bias, s_hb, s_hd, s_hn,
     s_ob, s_od, s_kb, s_kd, s_kc, s_lb, s_ld,
     DSTATE: tl.constexpr, NS: tl.constexpr, NI: tl.constexpr, BD: tl.constexpr,
-    T: tl.constexpr, CKPT: tl.constexpr,
+    BLOCK: tl.constexpr, T: tl.constexpr, CKPT: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, VARLEN: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
     ACC: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr, LOCAL: tl.constexpr,
@@ -78,7 +80,7 @@ def _scan_fwd_kernel(
 ):  # fmt: skip
     ALIGNED: tl.constexpr = ALIGN == 1  # see ALIGN in kernels/scan.py
     WHOLE: tl.constexpr = WIDE and ALIGNED  # load whole tiles (see tile_masks)
-    blk, seq, num_seqs = block_and_sequence(dim, BD)
+    blk, seq, num_seqs = block_and_sequence(dim, BLOCK)
     rng = tl.program_id(2)
     if VARLEN:  # one range per sequence
         start = tl.load(cu_ptr + seq).to(tl.int32)
@@ -92,10 +94,10 @@ def _scan_fwd_kernel(
             end = tl.multiple_of(end, T)
         batch = seq.to(tl.int64)
 
-    blk_first = (blk * BD).to(tl.int64)  # first channel of the block
-    ch = blk * BD + tl.arange(0, BD)
+    blk_first = (blk * BLOCK).to(tl.int64)  # first channel of the block
+    ch, ch_ok = block_channels(blk, dim, BD, BLOCK)
     ch64 = ch.to(tl.int64)[:, None, None]  # [BD, 1, 1]
-    row_ok = (ch < dim)[:, None, None]
+    row_ok = ch_ok[:, None, None]
     lane = tl.arange(0, NS)[None, :, None]  # [1, NS, 1]
     i_idx = tl.arange(0, NI)[None, None, :]  # [1, 1, NI]
     t_idx = tl.arange(0, T)[None, None, :]  # [1, 1, T]

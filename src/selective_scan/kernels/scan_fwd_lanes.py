@@ -213,7 +213,7 @@ def _scan_fwd_lanes_kernel(
     s_D, s_bias, s_hb, s_hd, s_hn,
     s_ob, s_od, s_kb, s_kd, s_kc, s_lb, s_ld,
     DSTATE: tl.constexpr, NS: tl.constexpr, NI: tl.constexpr, BD: tl.constexpr,
-    T: tl.constexpr, CKPT: tl.constexpr,
+    BLOCK: tl.constexpr, T: tl.constexpr, CKPT: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, VARLEN: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
     ACC: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr, LOCAL: tl.constexpr,
@@ -223,7 +223,8 @@ def _scan_fwd_lanes_kernel(
     # The leading and trailing arguments are scan_fwd.py's (one plan builds both); B and C
     # come as they are, with their strides (see kernels/scan.py, lanes_bc_args). Ranges, packed
     # sequences, the PRE pass and EPI do not apply here (see config).
-    tl.static_assert((LANES == 16) & (T == 16) & (BD * LANES == 32) & (not VARLEN))
+    tl.static_assert((LANES == 16) & (T == 16) & (BD * LANES == 32) & (BLOCK == BD))
+    tl.static_assert(not VARLEN)
     tl.static_assert(B_VAR & C_VAR)  # see lanes_fit
     S: tl.constexpr = T
     DSTATE_P2: tl.constexpr = NS * NI  # the states padded to a power of two
