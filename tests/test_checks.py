@@ -80,7 +80,15 @@ CASES = [
         "A-dim",
         replace(A=lambda t: t[:7]),
         ValueError,
-        r"A must have shape \(dim, dstate\) = \(8, \*\), got \(7, 4\)",
+        r"u \(batch, dim, seqlen\) and A \(dim, dstate\) must agree on dim, got u of shape "
+        r"\(2, 8, 10\) and A of shape \(7, 4\)$",
+    ),
+    case(  # the error names u, not delta, when u is (batch, seqlen, dim)
+        "u-transposed",
+        replace(u=lambda t: t.transpose(1, 2)),
+        ValueError,
+        r"got u of shape \(2, 10, 8\) and A of shape \(8, 4\); u looks like \(batch, seqlen, "
+        r"dim\): pass u.transpose\(1, 2\)",
     ),
     case(
         "A-dstate-0",

@@ -110,6 +110,17 @@ def _check_bc(name: str, t: Tensor, batch, dim, dstate, seqlen, device) -> None:
         check_size(dim % groups == 0, message)
 
 
+def _dim_mismatch(u: Tensor, A: Tensor) -> str:
+    """The message for u and A disagreeing on dim, naming u when it looks transposed."""
+    message = (
+        f"selective_scan: u (batch, dim, seqlen) and A (dim, dstate) must agree on dim, got u "
+        f"of shape {_shape(u)} and A of shape {_shape(A)}"
+    )
+    if u.shape[2] == A.shape[0]:
+        message += "; u looks like (batch, seqlen, dim): pass u.transpose(1, 2) (delta, z likewise)"
+    return message
+
+
 def check_scan_inputs(
     u: Tensor,
     delta: Tensor,
@@ -137,11 +148,11 @@ def check_scan_inputs(
             size >= 1,
             lambda: f"selective_scan: u must be non-empty (batch, dim, seqlen), got {_shape(u)}",
         )
-    check_tensor("delta", delta, (3,), device=device)
-    check_dims("delta", delta, (batch, dim, seqlen), "(batch, dim, seqlen)")
     check_tensor("A", A, (2,), device=device)
     dstate = A.shape[1]
-    check_dims("A", A, (dim, None), "(dim, dstate)")
+    check_size(A.shape[0] == dim, lambda: _dim_mismatch(u, A))
+    check_tensor("delta", delta, (3,), device=device)
+    check_dims("delta", delta, (batch, dim, seqlen), "(batch, dim, seqlen)")
     check_size(dstate >= 1, lambda: f"selective_scan: A must have dstate >= 1, got {_shape(A)}")
     _check_bc("B", B, batch, dim, dstate, seqlen, device)
     _check_bc("C", C, batch, dim, dstate, seqlen, device)
