@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -14,6 +15,18 @@ from torch import Tensor
 from ..models import MambaLMHeadModel
 from .copying_task import SelectiveCopying
 from .progress import ProgressBar
+
+
+class _DropCheckpointNotice(logging.Filter):
+    """Drops torch's notice that a checkpoint context_fn was passed under torch.compile, which
+    asks to make sure the checkpointed region has no in-place ops: mamba_inner_fn's region
+    (conv, projections, scan) has none, and the notice would print on every run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+_CHECKPOINT_NOTICE = _DropCheckpointNotice()  # one instance: addFilter skips it when present
 
 
 @dataclass(frozen=True)
@@ -104,6 +117,7 @@ def train(
     def objective(rows: Tensor) -> tuple[Tensor, Tensor]:
         return task.loss_and_accuracy(model(rows[:, :-1]), rows)
 
+    logging.getLogger("torch._higher_order_ops.wrap").addFilter(_CHECKPOINT_NOTICE)
     step_fn = torch.compile(objective, fullgraph=True)
     # No weight decay: it would also reach A_log and D, which mamba_ssm keeps out of it.
     optimizer = torch.optim.AdamW(
