@@ -5,8 +5,9 @@ Importing this package registers the sharding rules, so that the public function
 DTensors.
 """
 
+from .context_parallel import context_parallel_scan
 from .sharding import register_sharding_rules
 
 register_sharding_rules()
 
-__all__ = ["register_sharding_rules"]
+__all__ = ["context_parallel_scan", "register_sharding_rules"]
