@@ -7,7 +7,13 @@ DTensors.
 
 from .context_parallel import context_parallel_scan
 from .sharding import register_sharding_rules
+from .tensor_parallel import TensorParallelMamba, parallelize_mamba
 
 register_sharding_rules()
 
-__all__ = ["context_parallel_scan", "register_sharding_rules"]
+__all__ = [
+    "TensorParallelMamba",
+    "context_parallel_scan",
+    "parallelize_mamba",
+    "register_sharding_rules",
+]

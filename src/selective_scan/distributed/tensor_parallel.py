@@ -1,0 +1,276 @@
+"""Tensor parallelism of the Mamba layer: its d_inner channels split across the ranks of a mesh.
+
+``parallelize_mamba(model, mesh)`` turns every ``Mamba`` layer of ``model`` into a
+``TensorParallelMamba``: its parameters become DTensors on the mesh (so that optimizers,
+``fully_shard`` and ``torch.distributed.checkpoint`` see the whole parameters under their
+usual names), and its forward runs on the local shards:
+
+* in_proj, column-wise: each rank computes its channels of x and of z (the weight's x rows and
+  z rows are each split across the ranks: placement ``_StridedShard(0, split_factor=2)``);
+* the causal conv and the scan on each rank's channels (A_log, D, conv1d, dt_proj.bias
+  Shard(0)), with no communication;
+* x_proj, row-wise over the channels: each rank's partial (dt, B, C) products are summed once
+  (an all-reduce of (batch, seqlen, dt_rank + 2 d_state)), so dt, B and C are whole on every
+  rank; in the backward their gradients, partial per rank, are summed the same way;
+* dt_proj column-wise (Shard(0)); out_proj row-wise (Shard(1)): one all-reduce of
+  (batch, seqlen, d_model) in the forward; out_proj.bias replicated.
+
+The input hidden_states must be the same on every rank of the mesh (replicated); its gradient is
+summed over the ranks (one all-reduce of (batch, seqlen, d_model) in the backward). Outputs and
+returned states: the output is replicated; conv and ssm states hold this rank's channels,
+(rows, d_inner / world, d_conv) and (rows, d_inner / world, d_state), and ``d_inner`` of a
+parallelized layer is its local channel count. Decoding (``step``, ``allocate_inference_cache``,
+``MambaLMHeadModel.generate``) works on those local states.
+
+Parameters outside the Mamba layers (embedding, norms, LM head) stay plain tensors, replicated:
+every rank of the mesh computes them alike from the same inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from ..conv import causal_conv1d_fn, causal_conv1d_update, causal_conv1d_varlen_fn
+from ..interface import selective_scan_fn
+from ..modules.mamba_simple import Mamba
+from ..state_update import selective_state_update
+
+
+def _local(t: Tensor | None) -> Tensor | None:
+    """This rank's shard of a DTensor parameter (differentiable), a plain tensor as is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _CopyToParallel(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over the group (the input feeds every
+    rank's channels, each contributing its part of the gradient)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    """Sum of the ranks' partial products forward; the gradient of a replicated result used
+    alike on every rank passes through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class _ReduceBoth(torch.autograd.Function):
+    """Sum over the group forward and backward: a sum of partial products whose result each
+    rank then uses for its own channels (x_proj's dt, B and C)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class TensorParallelMamba(Mamba):
+    """A ``Mamba`` layer whose channels are split across the ranks of ``tp_mesh`` (made by
+    ``parallelize_mamba``; see the module docstring). Same forward, prefill, step and state
+    API as ``Mamba``, with states holding this rank's channels."""
+
+    tp_mesh: DeviceMesh
+    d_inner_total: int
+
+    @property
+    def _group(self) -> dist.ProcessGroup:
+        return self.tp_mesh.get_group()
+
+    def _conv_weight(self) -> Tensor:
+        return _local(self.conv1d.weight)[:, 0]
+
+    def _A(self) -> Tensor:
+        return -torch.exp(_local(self.A_log).float())
+
+    def _in_proj(self, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
+        """(x, z), this rank's channels: (..., d_inner / world) each."""
+        h = _CopyToParallel.apply(hidden_states, self._group)
+        xz = F.linear(h, _local(self.in_proj.weight), _local(self.in_proj.bias))
+        return xz.chunk(2, dim=-1)
+
+    def _x_proj(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(dt, B, C), whole on every rank, from this rank's channels x (..., d_inner / world)."""
+        x_dbl = _ReduceBoth.apply(F.linear(x, _local(self.x_proj.weight)), self._group)
+        return x_dbl.split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+
+    def _out_proj(self, y: Tensor) -> Tensor:
+        out = _ReduceFromParallel.apply(F.linear(y, _local(self.out_proj.weight)), self._group)
+        bias = _local(self.out_proj.bias)
+        return out if bias is None else out + bias
+
+    def _fast_forward(self, hidden_states: Tensor) -> Tensor:
+        return self._forward_with_states(hidden_states, None, None)[0]
+
+    def _forward_with_states(
+        self,
+        hidden_states: Tensor,
+        cu_seqlens: Tensor | None,
+        initial_states: tuple[Tensor, Tensor] | None,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        conv_state, ssm_state = self._initial_states(hidden_states, cu_seqlens, initial_states)
+        x, z = self._in_proj(hidden_states)
+        x, conv_state = self._conv(x.transpose(1, 2), conv_state, cu_seqlens)
+        dt, B, C = self._x_proj(x.transpose(1, 2))
+        y, ssm_state = selective_scan_fn(
+            x,
+            F.linear(dt, _local(self.dt_proj.weight)).transpose(1, 2),
+            self._A(),
+            B.transpose(1, 2),
+            C.transpose(1, 2),
+            _local(self.D).float(),
+            z.transpose(1, 2),
+            _local(self.dt_proj.bias).float(),
+            delta_softplus=True,
+            return_last_state=True,
+            initial_state=ssm_state,
+            cu_seqlens=cu_seqlens,
+        )
+        out = self._out_proj(y.transpose(1, 2))
+        final_states = (
+            conv_state.to(self.conv1d.weight.dtype),
+            ssm_state.to(self.dt_proj.weight.dtype),
+        )
+        return out, final_states
+
+    def _conv(
+        self, x: Tensor, conv_state: Tensor, cu_seqlens: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        weight, bias = self._conv_weight(), _local(self.conv1d.bias)
+        if cu_seqlens is not None:
+            return causal_conv1d_varlen_fn(
+                x, weight, bias, cu_seqlens=cu_seqlens, initial_states=conv_state,
+                return_final_states=True, activation=self.activation,
+            )  # fmt: skip
+        out = causal_conv1d_fn(
+            x, weight, bias, initial_states=conv_state[..., 1:], activation=self.activation
+        )
+        x_hist = torch.cat([conv_state.to(x.dtype), x], dim=-1)
+        return out, x_hist[..., x_hist.shape[-1] - self.d_conv :]
+
+    def step(
+        self, hidden_states: Tensor, conv_state: Tensor, ssm_state: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Advance one token: hidden_states (batch, 1, d_model), replicated, and this rank's
+        states (batch, d_inner / world, d_conv) and (batch, d_inner / world, d_state), updated
+        in place -> (out (batch, 1, d_model), conv_state, ssm_state)."""
+        self._check_hidden_states("Mamba.step", hidden_states, seqlen=1)
+        x, z = self._in_proj(hidden_states[:, 0])
+        x = causal_conv1d_update(
+            x, conv_state, self._conv_weight(), _local(self.conv1d.bias), self.activation
+        )
+        dt, B, C = self._x_proj(x)
+        y = selective_state_update(
+            ssm_state, x, F.linear(dt, _local(self.dt_proj.weight)), self._A(), B, C,
+            _local(self.D), z, dt_bias=_local(self.dt_proj.bias), dt_softplus=True,
+        )  # fmt: skip
+        return self._out_proj(y).unsqueeze(1), conv_state, ssm_state
+
+
+def _x_and_z_rows(weight: Tensor, rank: int, world: int) -> Tensor:
+    """in_proj's rows of this rank: its part of the x rows, then its part of the z rows."""
+    x_rows, z_rows = weight.chunk(2, dim=0)
+    return torch.cat([x_rows.chunk(world)[rank], z_rows.chunk(world)[rank]])
+
+
+# Placement of each parameter of a Mamba layer on the tensor-parallel mesh dimension.
+_PLACEMENTS = {
+    "in_proj.weight": _StridedShard(0, split_factor=2),
+    "in_proj.bias": _StridedShard(0, split_factor=2),
+    "conv1d.weight": Shard(0),
+    "conv1d.bias": Shard(0),
+    "x_proj.weight": Shard(1),
+    "dt_proj.weight": Shard(0),
+    "dt_proj.bias": Shard(0),
+    "A_log": Shard(0),
+    "D": Shard(0),
+    "out_proj.weight": Shard(1),
+    "out_proj.bias": Replicate(),
+}
+
+
+def _distribute(param: Tensor, name: str, mesh: DeviceMesh) -> nn.Parameter:
+    """The parameter as a DTensor on mesh, each rank keeping its shard (no communication: every
+    rank holds the same whole parameter)."""
+    placement = _PLACEMENTS[name]
+    rank, world = mesh.get_local_rank(), mesh.size()
+    data = param.detach()
+    if isinstance(placement, _StridedShard):
+        local = _x_and_z_rows(data, rank, world)
+    elif isinstance(placement, Shard):
+        local = data.chunk(world, dim=placement.dim)[rank]
+    else:
+        local = data
+    dtensor = DTensor.from_local(
+        local.contiguous(), mesh, [placement], run_check=False, shape=data.shape,
+        stride=data.stride(),
+    )  # fmt: skip
+    new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+    for attr in ("_no_weight_decay", "_no_reinit"):  # the layer's initialization markers
+        if hasattr(param, attr):
+            setattr(new, attr, getattr(param, attr))
+    return new
+
+
+def parallelize_mamba(
+    model: nn.Module, mesh: DeviceMesh, mesh_dim: int | str | None = None
+) -> nn.Module:
+    """Split the channels of every ``Mamba`` layer of ``model`` (``model`` itself may be one)
+    across the ranks of ``mesh`` (1-D, or its dimension ``mesh_dim``); returns ``model``,
+    changed in place. Every rank must hold the same parameters (same seed or a loaded
+    checkpoint) and feed the same inputs; see the module docstring for the layout."""
+    if mesh_dim is not None:
+        mesh = mesh[mesh_dim] if isinstance(mesh_dim, str) else mesh[mesh.mesh_dim_names[mesh_dim]]
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"parallelize_mamba: the mesh must be 1-D, or name its tensor-parallel dimension "
+            f"with mesh_dim; got a {mesh.ndim}-D mesh"
+        )
+    world = mesh.size()
+    for module in model.modules():
+        if not isinstance(module, Mamba) or isinstance(module, TensorParallelMamba):
+            continue
+        if module.d_inner % world:
+            raise ValueError(
+                f"parallelize_mamba: d_inner={module.d_inner} must be divisible by the mesh "
+                f"size {world}"
+            )
+        for name, param in list(module.named_parameters()):
+            owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+            owner.register_parameter(name.rpartition(".")[2], _distribute(param, name, mesh))
+        module.__class__ = TensorParallelMamba
+        module.tp_mesh = mesh
+        module.d_inner_total = module.d_inner
+        module.d_inner = module.d_inner // world
+    return model
