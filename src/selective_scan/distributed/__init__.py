@@ -7,13 +7,14 @@ DTensors.
 
 from .context_parallel import context_parallel_scan
 from .sharding import register_sharding_rules
-from .tensor_parallel import TensorParallelMamba, parallelize_mamba
+from .tensor_parallel import TensorParallelMamba, fsdp_shard_placement, parallelize_mamba
 
 register_sharding_rules()
 
 __all__ = [
     "TensorParallelMamba",
     "context_parallel_scan",
+    "fsdp_shard_placement",
     "parallelize_mamba",
     "register_sharding_rules",
 ]

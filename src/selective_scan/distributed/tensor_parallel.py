@@ -243,6 +243,25 @@ def _distribute(param: Tensor, name: str, mesh: DeviceMesh) -> nn.Parameter:
     return new
 
 
+def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:
+    """``fully_shard(..., shard_placement_fn=fsdp_shard_placement)`` for models with
+    tensor-parallel layers: FSDP2 shards in_proj's weight (and bias-free 2-D parameters placed
+    like it) on dim 1 rather than 0, as its rows are already split in two interleaved halves
+    (``_StridedShard``) that FSDP's own dim-0 sharding does not compose with; every other
+    parameter keeps FSDP's default (None: dim 0)."""
+    if isinstance(param, DTensor) and any(
+        isinstance(p, _StridedShard) and p.dim == 0 for p in param.placements
+    ):
+        if param.dim() < 2:
+            raise ValueError(
+                "fsdp_shard_placement: in_proj.bias of a tensor-parallel layer cannot be "
+                "sharded by FSDP2 (its only dimension is split in interleaved halves); use "
+                "Mamba(bias=False), mamba_ssm's default"
+            )
+        return Shard(1)
+    return None
+
+
 def parallelize_mamba(
     model: nn.Module, mesh: DeviceMesh, mesh_dim: int | str | None = None
 ) -> nn.Module:
