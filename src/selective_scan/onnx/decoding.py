@@ -2,7 +2,9 @@
 
 ``export_decoder(model, directory)`` writes two files: ``prefill.onnx`` (input_ids ->
 logits and every layer's states) and ``step.onnx`` (one token per row and the states -> logits
-and the next states), both with dynamic batch (and prompt length). ``OrtDecoder`` loads them
+and the next states), both with dynamic batch (and prompt length). Inputs are named
+input_ids, conv_state_0, ssm_state_0, conv_state_1, ...; outputs logits, next_conv_state_0,
+next_ssm_state_0, ... ``OrtDecoder`` loads them
 into ONNX Runtime sessions and generates greedily as ``MambaLMHeadModel.generate`` does,
 without torch.
 """
@@ -23,9 +25,11 @@ def _flat(cache: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, ...]:
     return tuple(t for pair in cache for t in pair)
 
 
-def state_names(n_layer: int) -> list[str]:
-    """Names of the states, in the files' order: conv_state_0, ssm_state_0, conv_state_1, ..."""
-    return [f"{kind}_{i}" for i in range(n_layer) for kind in ("conv_state", "ssm_state")]
+def state_names(n_layer: int, prefix: str = "") -> list[str]:
+    """Names of the states, in the files' order: conv_state_0, ssm_state_0, conv_state_1, ...
+    (inputs), each with ``prefix`` (outputs: "next_"; ONNX names must be unique)."""
+    kinds = ("conv_state", "ssm_state")
+    return [f"{prefix}{kind}_{i}" for i in range(n_layer) for kind in kinds]
 
 
 class Prefill(nn.Module):
@@ -68,6 +72,7 @@ def export_decoder(
     directory.mkdir(parents=True, exist_ok=True)
     device = model.lm_head.weight.device
     names = state_names(len(model.backbone.layers))
+    next_names = state_names(len(model.backbone.layers), "next_")
     batch = torch.export.Dim("batch", min=2)
     ids = torch.zeros((2, example_seqlen), dtype=torch.long, device=device)
     prefill_path, step_path = directory / "prefill.onnx", directory / "step.onnx"
@@ -75,13 +80,13 @@ def export_decoder(
         export(
             Prefill(model), (ids,), prefill_path,
             dynamic_shapes={"input_ids": {0: batch, 1: torch.export.Dim("seqlen", min=2)}},
-            input_names=["input_ids"], output_names=["logits", *names],
+            input_names=["input_ids"], output_names=["logits", *next_names],
         )  # fmt: skip
         states = _flat(model.allocate_inference_cache(2))
         export(
             Step(model), (ids[:, :1], *states), step_path,
             dynamic_shapes=({0: batch}, tuple({0: batch} for _ in states)),
-            input_names=["input_ids", *names], output_names=["logits", *names],
+            input_names=["input_ids", *names], output_names=["logits", *next_names],
         )  # fmt: skip
     return prefill_path, step_path
 
