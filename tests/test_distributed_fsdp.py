@@ -79,6 +79,35 @@ def _shard(model, mesh, compile_blocks: bool = False):
     return model
 
 
+def _check_tp_checkpoint(model, mesh, path: str) -> None:
+    """A TP x FSDP2 checkpoint reloads into the single-process model and into a fresh
+    TP x FSDP2 one."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from selective_scan.distributed import (
+        checkpoint_state_dict,
+        load_checkpoint,
+        parallelize_mamba,
+    )
+
+    dcp.save(checkpoint_state_dict(model), checkpoint_id=path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        dcp_to_torch_save(path, f"{path}.pt")
+    dist.barrier()
+    single = _model()
+    single.load_state_dict(torch.load(f"{path}.pt"), strict=True)
+    whole = dict(single.named_parameters())
+    for name, param in model.named_parameters():
+        assert_close(whole[name], _full(param), f"TP checkpoint reloaded: {name}")
+    fresh = _shard(parallelize_mamba(_model(), mesh["tp"]), mesh["dp"])
+    load_checkpoint(fresh, path)
+    for (name, a), b in zip(fresh.named_parameters(), model.parameters(), strict=True):
+        assert_close(_full(a), _full(b), f"TP checkpoint reloaded sharded: {name}")
+
+
 def fsdp_worker(checkpoint_dir: str):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -97,7 +126,8 @@ def fsdp_worker(checkpoint_dir: str):
         model2 = parallelize_mamba(_model(), mesh2["tp"])
         _shard(model2, mesh2["dp"])
         _train_and_compare(_model(), model2, mesh2.get_local_rank("dp"), 2, "TP x FSDP2")
-        return  # compile and checkpoints: on 2 ranks (CPU time)
+        _check_tp_checkpoint(model2, mesh2, f"{checkpoint_dir}/tp")
+        return  # compile and the plain FSDP2 checkpoint: on 2 ranks (CPU time)
 
     # torch.compile of each block (aot_eager: dynamo and AOTAutograd trace the blocks, the
     # scan's operator included; no C++ compiler needed on the test machine)

@@ -11,13 +11,14 @@ FILE = __file__
 
 
 @pytest.mark.parametrize("nprocs", [2, 4])
-def test_scan_on_dtensors(nprocs):
-    run_workers(FILE, "scan_worker", nprocs)
+def test_ops_on_dtensors(nprocs):
+    run_workers(FILE, "worker", nprocs)
 
 
-@pytest.mark.parametrize("nprocs", [2])
-def test_state_update_on_dtensors(nprocs):
-    run_workers(FILE, "state_update_worker", nprocs)
+def worker():
+    """One launch per rank count (each costs seconds of CPU): the scan, then the step."""
+    scan_worker()
+    state_update_worker()
 
 
 def _loss_weights(out, last, seed=5):
@@ -116,7 +117,7 @@ def state_update_worker():
     n = dist.get_world_size()
     mesh = init_device_mesh("cpu", (n,))
     gen = torch.Generator().manual_seed(3)
-    batch, dim, dstate = 2, 8, 4
+    batch, dim, dstate = n, 8, 4
     args = {
         "x": torch.randn(batch, dim, generator=gen),
         "dt": torch.rand(batch, dim, generator=gen),

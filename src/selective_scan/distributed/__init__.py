@@ -7,14 +7,22 @@ DTensors.
 
 from .context_parallel import context_parallel_scan
 from .sharding import register_sharding_rules
-from .tensor_parallel import TensorParallelMamba, fsdp_shard_placement, parallelize_mamba
+from .tensor_parallel import (
+    TensorParallelMamba,
+    checkpoint_state_dict,
+    fsdp_shard_placement,
+    load_checkpoint,
+    parallelize_mamba,
+)
 
 register_sharding_rules()
 
 __all__ = [
     "TensorParallelMamba",
+    "checkpoint_state_dict",
     "context_parallel_scan",
     "fsdp_shard_placement",
+    "load_checkpoint",
     "parallelize_mamba",
     "register_sharding_rules",
 ]

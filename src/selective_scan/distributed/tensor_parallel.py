@@ -262,6 +262,56 @@ def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:
     return None
 
 
+def _interleaved(model: nn.Module) -> dict[str, int]:
+    """State-dict keys of in_proj's weight and bias in tensor-parallel layers -> the index of
+    the tensor-parallel dimension in their mesh (FSDP2 puts its own dimension first)."""
+    keys = {}
+    for prefix, module in model.named_modules():
+        if not isinstance(module, TensorParallelMamba):
+            continue
+        tp_names = module.tp_mesh.mesh_dim_names or ()
+        for name, param in module.in_proj.named_parameters():
+            if not isinstance(param, DTensor):
+                continue
+            names = param.device_mesh.mesh_dim_names or ()
+            found = tp_names and tp_names[0] in names
+            index = names.index(tp_names[0]) if found else param.device_mesh.ndim - 1
+            keys[f"{prefix}.in_proj.{name}" if prefix else f"in_proj.{name}"] = index
+    return keys
+
+
+def checkpoint_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """``model.state_dict()`` in a form torch.distributed.checkpoint stores: in_proj's weight
+    of tensor-parallel layers, whose shards are two separate row blocks (DCP stores one block
+    per shard), gathered over the tensor-parallel ranks (other mesh dimensions, FSDP's, keep
+    their sharding). Save with ``dcp.save(checkpoint_state_dict(model), ...)``; load with
+    ``load_checkpoint``."""
+    state = model.state_dict()
+    for key, tp_dim in _interleaved(model).items():
+        value = state[key]
+        placements = list(value.placements)
+        placements[tp_dim] = Replicate()
+        state[key] = value.redistribute(value.device_mesh, placements)
+    return state
+
+
+@torch.no_grad()
+def load_checkpoint(model: nn.Module, checkpoint_id: str) -> None:
+    """Load a checkpoint saved from ``checkpoint_state_dict`` (of a model parallelized the
+    same way) into ``model``, a collective over every rank."""
+    import torch.distributed.checkpoint as dcp
+
+    state = checkpoint_state_dict(model)
+    dcp.load(state, checkpoint_id=checkpoint_id)
+    params = dict(model.named_parameters())
+    for key, tp_dim in _interleaved(model).items():
+        param, value = params[key], state.pop(key)
+        mesh = param.device_mesh
+        rows = _x_and_z_rows(value.to_local(), mesh.get_local_rank(tp_dim), mesh.size(tp_dim))
+        param.to_local().copy_(rows)
+    model.load_state_dict(state, strict=False)
+
+
 def parallelize_mamba(
     model: nn.Module, mesh: DeviceMesh, mesh_dim: int | str | None = None
 ) -> nn.Module:
