@@ -2,6 +2,7 @@
 and one end-to-end run at a tiny size (a few training steps, an AOTInductor build: about a
 minute on a 2-core CPU)."""
 
+import importlib.util
 import io
 
 import pytest
@@ -169,7 +170,10 @@ def tiny_run(tmp_path_factory):
 def test_tiny_run_passes_and_reports_every_mode(tiny_run):
     status, printed, _ = tiny_run
     assert status == 0, printed
-    for mode in ("eager", "torch.compile", "torch.export", "AOTInductor"):
+    modes = ["eager", "torch.compile", "torch.export", "AOTInductor"]
+    if importlib.util.find_spec("onnxruntime") and importlib.util.find_spec("onnxscript"):
+        modes.append("ONNX Runtime")
+    for mode in modes:
         assert f"\n{mode} " in printed, printed
     assert "NO" not in printed
     assert "all checks passed" in printed
@@ -190,3 +194,9 @@ def test_tiny_run_artifacts_match_the_trained_weights(tiny_run):
         expected = model(ids)
         torch.testing.assert_close(exported(ids), expected, rtol=0, atol=1e-5)
         torch.testing.assert_close(package(ids), expected, rtol=0, atol=1e-5)
+    if (out_dir / "copying.onnx").exists():
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(str(out_dir / "copying.onnx"))
+        logits = session.run(None, {session.get_inputs()[0].name: ids.numpy()})[0]
+        torch.testing.assert_close(torch.from_numpy(logits), expected, rtol=0, atol=1e-5)

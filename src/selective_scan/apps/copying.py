@@ -14,6 +14,8 @@ difference| from eager, answer accuracy, tokens/s); decodes a few held-out promp
 ``generate`` (prefill, then one step per token) and with each artifact (the full forward once
 per token). With CUDA it also times a decode step replayed as a CUDA graph. ``--no-aoti`` skips
 the package, where loading AOTInductor libraries is broken (as on one torch 2.11 CUDA image).
+The forward is also exported to ONNX (selective_scan.onnx) and run in ONNX Runtime on CPU like
+the other artifacts; without the onnx packages (``pip install -e ".[onnx]"``) that is skipped.
 
 Exits 1 when the held-out answer accuracy is below --min-accuracy, a forward differs from eager
 by more than --tolerance, or a greedy answer differs from generate's.
@@ -22,6 +24,7 @@ by more than --tolerance, or a greedy answer differs from generate's.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import sys
 import time
@@ -112,6 +115,47 @@ def build_forwards(
         package = torch._inductor.aoti_load_package(str(paths["AOTInductor"]))
         forwards["AOTInductor"] = (package, time.perf_counter() - start)
     return forwards, paths
+
+
+def add_onnx_forward(
+    model: MambaLMHeadModel,
+    example: Tensor,
+    out_dir: Path,
+    forwards: dict[str, tuple[Forward, float]],
+    paths: dict[str, Path],
+    out: TextIO,
+) -> None:
+    """Add the ONNX artifact to forwards and paths: the forward exported by selective_scan.onnx
+    (dynamic batch and length as export_forward), saved, and loaded into an ONNX Runtime
+    session on CPU. Where the onnx packages are missing, says so in one line and adds nothing."""
+    try:
+        import onnxruntime
+
+        from .. import onnx as onnx_export
+    except ImportError as error:
+        print(f"ONNX artifact skipped: {error.name} is not installed (pip install -e \".[onnx]\")",
+              file=out)  # fmt: skip
+        return
+    start = time.perf_counter()
+    paths["ONNX"] = out_dir / "copying.onnx"
+    dims = {
+        0: torch.export.Dim("batch", min=2),
+        1: torch.export.Dim("seqlen", min=MIN_EXPORT_SEQLEN),
+    }
+    # Exported from a CPU copy: the file runs on CPU, and the PyTorch ops' path is the same
+    # on every machine.
+    cpu_model = model if example.device.type == "cpu" else copy.deepcopy(model).cpu()
+    with torch.no_grad():
+        onnx_export.export(cpu_model, (example.cpu(),), paths["ONNX"],
+                           dynamic_shapes={"input_ids": dims})  # fmt: skip
+    session = onnxruntime.InferenceSession(str(paths["ONNX"]), providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+
+    def forward(input_ids: Tensor) -> Tensor:
+        logits = session.run(None, {name: input_ids.cpu().numpy()})[0]
+        return torch.from_numpy(logits).to(input_ids.device)
+
+    forwards["ONNX Runtime"] = (forward, time.perf_counter() - start)
 
 
 @torch.no_grad()
@@ -324,6 +368,7 @@ def run(args: argparse.Namespace, out: TextIO) -> list[str]:
     example_rows = task.sample(args.examples, held_out).to(device)
     example = rows[:, :-1].contiguous()  # export traces strides too: a slice's would stay
     forwards, paths = build_forwards(model, example, out_dir, aoti=not args.no_aoti)
+    add_onnx_forward(model, example, out_dir, forwards, paths, out)
     table = compare_forwards(forwards, task, rows, args.tolerance, args.repeats)
     answers = decode_examples(model, forwards, task, example_rows)
     with torch.no_grad():

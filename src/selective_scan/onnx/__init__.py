@@ -18,6 +18,7 @@ runs greedy generation in ONNX Runtime.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -140,9 +141,17 @@ def export(
     table = translation_table()
     table.update(custom_translation_table or {})
     onnx_kwargs.setdefault("verbose", False)
-    onnx_program = torch.onnx.export(
-        prepare(program), (), dynamo=True, custom_translation_table=table, **onnx_kwargs
-    )
+    # The registry warns about every torchvision op it cannot register (torchvision missing):
+    # noise about someone else's package.
+    registry_log = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registry_log.level
+    registry_log.setLevel(logging.ERROR)
+    try:
+        onnx_program = torch.onnx.export(
+            prepare(program), (), dynamo=True, custom_translation_table=table, **onnx_kwargs
+        )
+    finally:
+        registry_log.setLevel(level)
     onnx_program.save(path, external_data=external_data)
     return onnx_program
 
