@@ -1,7 +1,7 @@
 """DTensor sharding rules of the ``selective_scan`` operators.
 
 ``register_sharding_rules()`` tells DTensor how each operator runs on sharded inputs, so that
-``selective_scan_fn``, ``mamba_inner_fn`` and ``selective_state_update`` accept DTensors. Every
+``selective_scan_fn`` and ``selective_state_update`` accept DTensors. Every
 rule runs the operator on each rank's local shards with no communication of its own; DTensor
 redistributes inputs placed otherwise to the cheapest rule. Per mesh dimension:
 
