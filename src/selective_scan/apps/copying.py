@@ -133,7 +133,8 @@ def add_onnx_forward(
 
         from .. import onnx as onnx_export
     except ImportError as error:
-        print(f"ONNX artifact skipped: {error.name} is not installed (pip install -e \".[onnx]\")",
+        package = (error.name or "onnx").split(".")[0]
+        print(f"ONNX artifact skipped: {package} is not installed (pip install -e \".[onnx]\")",
               file=out)  # fmt: skip
         return
     start = time.perf_counter()
