@@ -1,7 +1,8 @@
 """ONNX Runtime (CPU) against eager PyTorch (CPU) for a Mamba language model.
 
     python bench/onnx_bench.py [--layers 4] [--lengths 128,512,2048] [--repeats 7]
-                               [--threads N] [--scan] [--out bench/results/onnx_cpu.json]
+                               [--threads N] [--scan] [--scan-dims 64,1536]
+                               [--out bench/results/onnx_cpu.json]
 
 The model: MambaLMHeadModel with the 130M model's sizes (d_model 768, d_inner 1536, d_state
 16, vocab 50280) and ``--layers`` layers, random weights, float32. Its forward is exported
@@ -9,11 +10,14 @@ once with selective_scan.onnx (dynamic batch and length, traced at 2 x 16) and t
 row of each length; its decode step (``step``, the states as inputs and outputs) is exported
 by selective_scan.onnx.decoding and timed at batch 1 and 8. ``--scan`` also times the scan
 alone (batch 1, dim 1536, dstate 16) in ONNX Runtime for several chunk lengths of the
-translation (1: a Scan node per step), against the eager PyTorch scan.
+translation (1: a Scan node per step), against the eager PyTorch scan, at each
+``--scan-dims`` (channels; 1536 is the 130M model's d_inner).
 
 Times are medians of ``--repeats`` calls after two warm-up calls, eager and ONNX Runtime
 calls interleaved so that a change in the machine's load hits both alike; both use
-``--threads`` threads (default: every core). The JSON file records the CPU, core count,
+``--threads`` threads (default: every core; on a machine whose cores other processes keep busy,
+one thread each is the fairer measure, and OMP_WAIT_POLICY=PASSIVE keeps torch's idle threads
+from spinning). The JSON file records the CPU, core count,
 date, package versions, git commit and the load average before and after.
 """
 
@@ -160,8 +164,13 @@ class _Scan(torch.nn.Module):
 
 @torch.no_grad()
 def bench_scan(args: argparse.Namespace, work: Path) -> dict:
-    """The scan alone: chunk lengths of the translation against eager."""
-    dim, dstate = 1536, 16
+    """The scan alone at each of args.scan_dims: chunk lengths of the translation against
+    eager."""
+    return {str(dim): bench_scan_dim(args, work, dim) for dim in args.scan_dims}
+
+
+def bench_scan_dim(args: argparse.Namespace, work: Path, dim: int) -> dict:
+    dstate = 16
     gen = torch.Generator().manual_seed(0)
 
     def inputs(length: int) -> tuple:
@@ -174,13 +183,13 @@ def bench_scan(args: argparse.Namespace, work: Path) -> dict:
     length_dim = torch.export.Dim("seqlen", min=2)
     per_step = {2: length_dim}
     shapes = (per_step, per_step, None, per_step, per_step, None, per_step, None)
-    chunks = (1, 4, 8, 16, 32)
+    chunks = (1, 2, 4, 8, 16, 32)
     sessions = {}
     default = onnx_scan.CHUNK
     try:
         for chunk in chunks:
             onnx_scan.CHUNK = chunk
-            path = work / f"scan_{chunk}.onnx"
+            path = work / f"scan_{dim}_{chunk}.onnx"
             sso.export(_Scan(), inputs(64), path, dynamic_shapes=shapes)
             sessions[chunk] = session(path, args.threads)
     finally:
@@ -200,8 +209,8 @@ def bench_scan(args: argparse.Namespace, work: Path) -> dict:
         results[str(length)] = {"ms": ms, "max_rel_diff": diffs}
         print(f"scan 1 x {dim} x {length}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()),
               flush=True)  # fmt: skip
-    return {"shape": {"batch": 1, "dim": dim, "dstate": dstate}, "default_chunk": default,
-            "lengths": results}  # fmt: skip
+    return {"shape": {"batch": 1, "dim": dim, "dstate": dstate},
+            "default_chunk": onnx_scan.chunk_length(dim, dstate), "lengths": results}  # fmt: skip
 
 
 def main() -> None:
@@ -212,10 +221,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--scan", action="store_true", help="also time the scan's chunk lengths")
     parser.add_argument("--scan-lengths", default="256,1024")
+    parser.add_argument("--scan-dims", default="64,1536", help="scan channels (d_inner)")
     parser.add_argument("--out", default="bench/results/onnx_cpu.json")
     args = parser.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.scan_lengths = [int(x) for x in args.scan_lengths.split(",")]
+    args.scan_dims = [int(x) for x in args.scan_dims.split(",")]
     os.environ.setdefault("SELECTIVE_SCAN_BACKEND", "torch")
     torch.set_num_threads(args.threads)
     torch.exp(torch.zeros(1))  # the first exp of a torch 2.13 CPU process (see conftest.py)
@@ -234,6 +245,9 @@ def main() -> None:
         "timing": f"median of {args.repeats} interleaved calls after 2 warm-up calls "
         f"({3 * args.repeats} for the decode step)",
         "loadavg_before": os.getloadavg(),
+        # Other processes on the cores inflate the times, multi-threaded ones most.
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+        "nice": os.nice(0),
     }
     with tempfile.TemporaryDirectory() as tmp:
         record["lm"] = bench_lm(args, Path(tmp))

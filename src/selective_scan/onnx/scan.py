@@ -1,6 +1,7 @@
 """ONNX translation of the scan's forward operators (``scan_fwd`` and ``scan_fwd_triton``).
 
-Standard ONNX only: a ``Scan`` over chunks of ``CHUNK`` steps, with elementwise ops and MatMul.
+Standard ONNX only: a ``Scan`` over chunks of steps (``chunk_length``), with elementwise ops and
+MatMul.
 
 Per chunk of T steps, in time-major (T, batch, dim, dstate) tensors: the decays
 a_t = exp(delta_t A) and inputs x_t = delta_t u_t B_t of all T steps at once; then the states
@@ -40,10 +41,26 @@ from ._graph import (
     tensor_value,
 )
 
-# Steps per chunk; 1 is a plain per-step Scan. bench/onnx_bench.py --scan times the choices in
-# ONNX Runtime (docs/onnx.md has the figures): per step the Scan's own overhead dominates, while
-# long chunks lose the L2 cache (a chunk's buffers are T * batch * dim * dstate floats).
-CHUNK = 16
+# Steps per chunk: the largest power of two up to MAX_CHUNK whose (T, dim, dstate) chunk
+# buffers hold at most CHUNK_ELEMENTS floats per batch row. Timed in ONNX Runtime on one thread
+# (bench/onnx_bench.py --scan, batch 1, dstate 16): at dim 64, chunks of 16-32 steps ran 1.7x
+# faster than a Scan iteration per step, whose overhead dominates small steps; at dim 384,
+# chunks of 8-32 about 10% faster; at dim 1536, 1-4 steps were fastest and 16 up to 20%
+# slower, the chunk buffers no longer fitting the L2 cache and the per-step work dominating.
+CHUNK_ELEMENTS = 1 << 16
+MAX_CHUNK = 32
+# A fixed chunk length instead of the rule (tests and benchmarks set it).
+CHUNK: int | None = None
+
+
+def chunk_length(dim: int, dstate: int) -> int:
+    """Steps per chunk for a scan of dim channels and dstate states (CHUNK when set)."""
+    if CHUNK is not None:
+        return CHUNK
+    steps = 1
+    while 2 * steps <= MAX_CHUNK and 2 * steps * dim * dstate <= CHUNK_ELEMENTS:
+        steps *= 2
+    return steps
 
 
 class _Weight:
@@ -97,7 +114,7 @@ def _states(o: Any, a: ir.Value, x: ir.Value, h: ir.Value, chunk: int) -> ir.Val
     a and inputs x and the state h (batch, dim, dstate) entering it.
 
     One step after another: a log-depth (Hillis-Steele) scan over the chunk, log2(T) levels of
-    whole-chunk ops, measured 1.5-4x slower in ONNX Runtime, as it does log2(T) times the work.
+    whole-chunk ops, measured 1.5-3x slower in ONNX Runtime, as it does log2(T) times the work.
     """
     decays = o.Split(a, num_outputs=chunk, axis=0, _outputs=chunk) if chunk > 1 else [a]
     inputs = o.Split(x, num_outputs=chunk, axis=0, _outputs=chunk) if chunk > 1 else [x]
@@ -128,10 +145,10 @@ def scan_fwd(
     """The forward op in ONNX: (out (batch, dim, L) in u's dtype, last_state (batch or
     num_seqs, dim, dstate), checkpoints (batch, dim, ceil(L / checkpoint_interval) + 1,
     dstate), zeros); states in float32, float64 when an input is. ``chunk``: steps per chunk
-    (default CHUNK)."""
-    T = chunk or CHUNK
+    (default: ``chunk_length``)."""
     cdt = float_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     dim_, dstate = static_size(A, 0, "dim"), static_size(A, 1, "dstate")
+    T = chunk or chunk_length(dim_, dstate)
     Bw = _Weight(B, dim_, dstate, cdt, "B")
     Cw = _Weight(C, dim_, dstate, cdt, "C")
     uc, dt, Ac = cast(op, u, cdt), cast(op, delta, cdt), cast(op, A, cdt)
