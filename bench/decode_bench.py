@@ -229,15 +229,16 @@ def part_step(args) -> dict:
 
 
 def ready_launch(inputs: dict) -> tuple:
-    """(jitted kernel, grid, tensors with out, integer arguments, options) of a launch of the
-    step on inputs, from the launcher's own plan."""
+    """(jitted kernel, grid, tensors with out by parameter name, scalar arguments, options) of
+    a launch of the step on inputs, from the launcher's own plan."""
     from selective_scan.kernels import state_update as kernel_module
 
     tensors = tuple(inputs.values())[:-1]  # step_inputs' order is the kernel's
-    grid, ints, options = kernel_module._plan(*tensors, inputs["dt_softplus"])
+    grid, scalars, options = kernel_module._plan(*tensors, inputs["dt_softplus"])
     out = torch.empty_like(inputs["x"])
     # No state_batch_indices: the kernel's argument before out.
-    return kernel_module._state_update_kernel, grid, (*tensors, None, out), ints, options
+    named = dict(zip(kernel_module._TENSORS, (*tensors, None, out), strict=True))
+    return kernel_module._state_update_kernel, grid, named, scalars, options
 
 
 def launch_breakdown(inputs: dict, device: str, rounds: int) -> dict:
@@ -246,22 +247,22 @@ def launch_breakdown(inputs: dict, device: str, rounds: int) -> dict:
     both from a ready plan. Whether the direct launch gives Triton's result is checked too."""
     from selective_scan.kernels.launch import Launcher
 
-    jit, grid, tensors, ints, options = ready_launch(inputs)
-    launcher = Launcher(jit, grid, ints, options)
-    state, out = tensors[0], tensors[-1]
+    jit, grid, tensors, scalars, options = ready_launch(inputs)
+    launcher = Launcher(jit, grid, scalars, options)
+    state, out = tensors["state_ptr"], tensors["out_ptr"]
     before = state.clone()
-    jit[grid](*tensors, *ints, **options)
+    jit[grid](**tensors, **scalars, **options)
     expected_state, expected_out = state.clone(), out.clone()
     same = True
     for _ in range(2):  # the first call launches through Triton and keeps the kernel
         state.copy_(before)
-        launcher(*tensors)
+        launcher(tensors)
         sync(device)
         same &= torch.equal(state, expected_state) and torch.equal(out, expected_out)
     return {
-        "direct_launch_us": back_to_back_us(lambda: launcher(*tensors), device, rounds=rounds),
+        "direct_launch_us": back_to_back_us(lambda: launcher(tensors), device, rounds=rounds),
         "triton_launch_us": back_to_back_us(
-            lambda: jit[grid](*tensors, *ints, **options), device, rounds=rounds
+            lambda: jit[grid](**tensors, **scalars, **options), device, rounds=rounds
         ),
         "direct_equals_triton": same,
     }

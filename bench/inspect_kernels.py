@@ -25,8 +25,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import SHAPES, make_bench_inputs
 
-from selective_scan.kernels import scan
 from selective_scan.kernels.offline import compile_sm90, scan_launches
+from selective_scan.kernels.tiles import DEFAULT_POLICY, use_policy
 
 
 def sass_histogram(cubin: bytes, path: Path) -> collections.Counter:
@@ -61,14 +61,14 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     overrides = {k: int(v) for k, v in (kv.split("=") for kv in args.tiles.split(",") if kv)}
-    for name in ("config", "bwd_config") if overrides else ():
-        setattr(scan, name, scan.overridden(getattr(scan, name), overrides))
+    policy = DEFAULT_POLICY.replace(fwd_overrides=overrides, bwd_overrides=overrides)
     inputs = make_bench_inputs(args.shape, device="cpu", dtype=args.dtype, small_seqlen=args.seqlen)
 
     softplus = inputs.pop("delta_softplus")
-    launches = scan_launches(inputs, softplus)
-    for k, (kernel, grid, kargs, kkwargs) in enumerate(launches):
-        compiled = compile_sm90(kernel, kargs, kkwargs)
+    with use_policy(policy):
+        launches = scan_launches(inputs, softplus)
+    for k, (kernel, grid, kkwargs, _) in enumerate(launches):
+        compiled = compile_sm90(kernel, kkwargs)
         md = compiled.metadata
         name = f"{k}{kernel.__name__}"  # the ranges' local pass and the main one share a kernel
         hist = sass_histogram(compiled.asm["cubin"], out_dir / f"{name}.cubin")

@@ -27,10 +27,11 @@ import shapes
 from report import edited_module
 
 from selective_scan.kernels import scan, scan_fwd
+from selective_scan.kernels.launch import recording
 
 FIELDS = ("g0", "g1", "g2", "c1 - c0", "c2 - c1", "sm", "slot")  # stored per program, in order
 PROBES = {  # anchor in scan_fwd.py -> lines inserted before it
-    "    blk, seq, num_seqs = block_and_sequence(dim, BD)\n": (
+    "    blk, seq, num_seqs = block_and_sequence(dim, BLOCK)\n": (
         "    one = tl.full([1], 0, tl.int32) + tl.program_id(0)\n"
         "    g0 = _special64(one, 'mov.u64 $0, %globaltimer;')\n"
         "    c0 = _special64(one, 'mov.u64 $0, %clock64;')\n"
@@ -75,30 +76,19 @@ def instrumented_kernel():
 
 
 def captured_launch(shape: str, dim: int | None) -> tuple:
-    """(grid, tensors, args, options) of the scan launch of one eager forward."""
-    launches = []
-    launch = scan._launch_kernel
-
-    def capture(launchers, kernel, grid, tensors, args, options, key):
-        if kernel is scan_fwd._scan_fwd_kernel:
-            launches.append((grid, tensors, args, dict(options)))
-        return launch(launchers, kernel, grid, tensors, args, options, key)
-
+    """(grid, kwargs) of the scan launch of one eager forward."""
     if dim is not None:  # the shape with dim channels
         batch, _, *rest = shapes.SHAPES[shape]
         shape = f"{shape}_D{dim}"
         shapes.SHAPES[shape] = (batch, dim, *rest)
     inputs = shapes.make_bench_inputs(shape, device="cuda")
     softplus = inputs.pop("delta_softplus")
-    scan._launch_kernel = capture
-    try:
+    with recording(launch=True) as launches:
         scan.scan_fwd(**inputs, delta_softplus=softplus)
-    finally:
-        scan._launch_kernel = launch
     torch.cuda.synchronize()
-    grid, tensors, args, options = launches[-1]
-    options.pop("maxnreg", None)  # a direct launcher's option
-    return grid, tensors, args, options
+    grid, kwargs = [(g, kw) for k, g, kw, _ in launches if k is scan_fwd._scan_fwd_kernel][-1]
+    kwargs.pop("maxnreg", None)  # a direct launcher's option
+    return grid, kwargs
 
 
 def percentiles(xs: list, ps=(0, 10, 50, 90, 100)) -> str:
@@ -107,7 +97,7 @@ def percentiles(xs: list, ps=(0, 10, 50, 90, 100)) -> str:
 
 
 def report(kernel, shape: str, dim: int | None) -> None:
-    grid, tensors, args, options = captured_launch(shape, dim)
+    grid, kwargs = captured_launch(shape, dim)
     n = grid[0] * grid[1] * grid[2]
     tim = torch.zeros(n * 8, dtype=torch.int64, device="cuda")
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
@@ -116,7 +106,7 @@ def report(kernel, shape: str, dim: int | None) -> None:
         for _ in range(7):
             if mode == "cold":
                 flush.zero_()
-            kernel[grid](*tensors, *args, **options, tim_ptr=tim)
+            kernel[grid](**kwargs, tim_ptr=tim)
             torch.cuda.synchronize()
             t = tim.view(n, 8)[:, : len(FIELDS)].cpu().double()
             t0 = t[:, 0].min()

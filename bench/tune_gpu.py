@@ -2,9 +2,10 @@
 
     python bench/tune_gpu.py --shapes S1,S7 --configs "NS=1;NS=2;NS=1,STAGES=2" [--which fwd,bwd]
 
-Each configuration is a set of overrides of the forward's tiles (kernels.scan.config: T, NS,
-NI, CH, num_warps, STAGES, and maxnreg, a register cap passed to Triton's compiler) and, with a
-"b." prefix, the backward's (kernels.scan.bwd_config), plus TW for scan.TARGET_WARPS. Prints one
+Each configuration is a set of overrides of the forward's tiles (kernels/tiles.py: T, NS, NI,
+CH, num_warps, STAGES, and maxnreg, a register cap passed to Triton's compiler) and, with a
+"b." prefix, the backward's, plus TW for the policy's target_warps, run as a TilePolicy of its
+own. Prints one
 line per (shape, direction, configuration): median ms (do_bench) of eager calls, or with
 --graph of a CUDA-graph replay of the call: the kernels' time without the host's, which
 decides small shapes (S6) whose eager calls wait on the host. With --accuracy, each
@@ -26,6 +27,7 @@ from shapes import SCAN_INPUTS, make_bench_inputs
 
 from selective_scan import selective_scan_ref
 from selective_scan.kernels import scan
+from selective_scan.kernels.tiles import DEFAULT_POLICY, TilePolicy, use_policy
 
 GRADS = {"du": 0, "dA": 2, "dB": 3, "dC": 4}  # positions in scan_bwd's result
 
@@ -62,18 +64,13 @@ def parse(config: str) -> dict:
     return {k: int(v) for k, v in (kv.split("=") for kv in config.split(",") if kv)}
 
 
-def use_config(overrides: dict) -> None:
-    """Patch scan's tile functions; the plan cache is emptied so that they are called."""
-    scan.TARGET_WARPS = overrides.get("TW", DEFAULT_TARGET_WARPS)
-    fwd = {k: v for k, v in overrides.items() if "." not in k and k != "TW"}
-    bwd = {k[2:]: v for k, v in overrides.items() if k.startswith("b.")}
-    for name, chosen in (("config", fwd), ("bwd_config", bwd)):
-        setattr(scan, name, scan.overridden(DEFAULTS[name], chosen))
-    scan._PLANS.clear()
-
-
-DEFAULTS = {"config": scan.config, "bwd_config": scan.bwd_config}
-DEFAULT_TARGET_WARPS = scan.TARGET_WARPS
+def policy_of(overrides: dict) -> TilePolicy:
+    """The tile policy of one configuration (see the module's docstring)."""
+    return DEFAULT_POLICY.replace(
+        fwd_overrides={k: v for k, v in overrides.items() if "." not in k and k != "TW"},
+        bwd_overrides={k[2:]: v for k, v in overrides.items() if k.startswith("b.")},
+        target_warps=overrides.get("TW", DEFAULT_POLICY.target_warps),
+    )
 
 
 def main() -> None:
@@ -90,24 +87,28 @@ def main() -> None:
         dout = torch.randn_like(x["u"])
         exact = None
         for config in args.configs.split(";"):
-            use_config(parse(config))
-            try:
-                ckpt = scan.scan_fwd(*inputs, True)[2]
-                calls = {
-                    "fwd": lambda inputs=inputs: scan.scan_fwd(*inputs, True),
-                    "bwd": lambda inputs=inputs, dout=dout, ckpt=ckpt: scan.scan_bwd(
-                        dout, None, *inputs, ckpt, True
-                    ),
-                }
-                for which in args.which.split(","):
-                    ms = timed(calls[which], args.graph)
-                    print(f"{shape} {which} {config or 'default':28s} {ms:8.4f} ms", flush=True)
-                if args.accuracy:
-                    exact = exact or float64_grads(inputs, dout)
-                    grads = calls["bwd"]()
-                    print(f"{shape} accuracy {config or 'default':23s} {errors(grads, exact)}")
-            except Exception as e:
-                print(f"{shape} {config}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            with use_policy(policy_of(parse(config))):
+                try:
+                    run_config(shape, config, inputs, dout, args)
+                    if args.accuracy:
+                        exact = exact or float64_grads(inputs, dout)
+                        grads = bwd_call(inputs, dout)()
+                        print(f"{shape} accuracy {config or 'default':23s} {errors(grads, exact)}")
+                except Exception as e:
+                    print(f"{shape} {config}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
+def bwd_call(inputs: list, dout: torch.Tensor):
+    ckpt = scan.scan_fwd(*inputs, True)[2]
+    return lambda: scan.scan_bwd(dout, None, *inputs, ckpt, True)
+
+
+def run_config(shape: str, config: str, inputs: list, dout: torch.Tensor, args) -> None:
+    """Time the chosen directions under the active policy."""
+    calls = {"fwd": lambda: scan.scan_fwd(*inputs, True), "bwd": bwd_call(inputs, dout)}
+    for which in args.which.split(","):
+        ms = timed(calls[which], args.graph)
+        print(f"{shape} {which} {config or 'default':28s} {ms:8.4f} ms", flush=True)
 
 
 if __name__ == "__main__":

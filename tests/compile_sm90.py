@@ -57,8 +57,8 @@ def compile_case(case: dict) -> list[str]:
     kwargs = dict(case, dtype=getattr(torch, case["dtype"]), device="cpu")
     inputs = make_inputs(**kwargs)
     names = []
-    for kernel, _, args, kwargs in scan_launches(inputs, delta_softplus=True):
-        compiled = compile_sm90(kernel, args, kwargs)
+    for kernel, _, kwargs, _ in scan_launches(inputs, delta_softplus=True):
+        compiled = compile_sm90(kernel, kwargs)
         local = f"(LOCAL={kwargs['LOCAL']})" if "LOCAL" in kwargs else ""
         name = kernel.__name__ + local
         faults = scan_layout_faults(compiled.asm["ttgir"])

@@ -251,8 +251,8 @@ def test_exported_prefill_save_load_round_trip(exported_prefill, model, tmp_path
 
 
 def test_aoti_package_of_the_prefill_builds(exported_prefill, tmp_path):
-    """Built, not loaded: loading any AOTInductor package crashes on the GPU machine's image
-    (bench/NOTES.md); test_models.py runs a CPU package of the decode step."""
+    """Built, not loaded: loading AOTInductor packages crashed on the torch 2.11 CUDA image the
+    GPU tests run on; test_models.py runs a CPU package of the decode step."""
     package = tmp_path / "prefill_aoti.pt2"
     torch._inductor.aoti_compile_and_package(exported_prefill, package_path=str(package))
     assert package.stat().st_size > 0

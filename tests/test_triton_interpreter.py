@@ -20,12 +20,15 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 from selective_scan import ops, selective_scan_fn
-from selective_scan.kernels import offline, scan
+from selective_scan._checks import checkpoint_slots
+from selective_scan.kernels import common, layout, offline, plan, scan
 from selective_scan.kernels.bc_blocks import _bc_blocks_kernel
+from selective_scan.kernels.launch import recording
 from selective_scan.kernels.range_entries import _range_entries_kernel
-from selective_scan.kernels.scan import new_rows
 from selective_scan.kernels.scan_bwd import _scan_bwd_kernel
 from selective_scan.kernels.scan_fwd import _scan_fwd_kernel
+from selective_scan.kernels.tiles import CKPT, DEFAULT_POLICY, MIN_RANGES, ranges, use_policy
+from selective_scan.scan_args import ScanArgs
 
 pytestmark = [
     pytest.mark.skipif(not TRITON_RUNS, reason="needs triton (a GPU or the interpreter)"),
@@ -35,7 +38,7 @@ pytestmark = [
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUND = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
-LANES = {"LANES": 16, "NS": 1, "T": 16}  # the lanes kernel's tiles (scan.config)
+LANES = {"LANES": 16, "NS": 1, "T": 16}  # the lanes kernel's tiles (tiles.fwd_tiles)
 CASES = {
     # 300 steps: three 128-step chunks, cut into ranges (few channels), tail of a tile.
     "ranges-init": dict(seqlen=300, dstate=8, initial_state=True),
@@ -66,7 +69,7 @@ CASES = {
     "bf16-padded-states-nosoftplus": dict(seqlen=41, dtype=torch.bfloat16, dstate=5,
                                           softplus=False),
     "one-step": dict(seqlen=1, dstate=16, c_form="constant"),
-    # More than 16 states split over more lanes (scan.STATE_LANES): 64 (forward 4 lanes, 16
+    # More than 16 states split over more lanes (tiles.STATE_LANES): 64 (forward 4 lanes, 16
     # states a thread; backward 16 lanes), 256 over a whole warp, one channel a program, with
     # grouped B; 64 cut into three ranges (the local passes' splits: 4 and 8 lanes).
     "states-64": dict(batch=1, dim=3, seqlen=41, dstate=64),
@@ -99,13 +102,13 @@ CASES = {
     # time and take the body declaring it, or the plain one.
     "checked-aligned-ranges": dict(batch=1, seqlen=300, dstate=8, initial_state=True, checked=True),
     "checked-unaligned": dict(seqlen=41, dtype=torch.bfloat16, dstate=5, checked=True),
-    # And with a symbolic length, whose rows are not padded (see scan.padded), in the tiles
+    # And with a symbolic length, whose rows are not padded (see layout.padded), in the tiles
     # traced calls take for such examples (see config): the last tile cut by masks, in 2-lane
     # tiles with EPI over ranges, and after a PRE pass.
     "traced-two-lane-epilogue": dict(batch=1, seqlen=300, dstate=8, initial_state=True,
                                      checked=True, unpadded=True, fwd_tiles={"NS": 2, "EPI": 1}),
     "traced-pre-pass": dict(seqlen=41, dtype=torch.bfloat16, dstate=16, checked=True,
-                            unpadded=True, fwd_tiles={"PRE": scan.PRE_STEPS, "LANES": 0,
+                            unpadded=True, fwd_tiles={"PRE": DEFAULT_POLICY.pre_steps, "LANES": 0,
                                                       "NS": 4}),
     # The forward with a channel's steps across 16 lanes (scan_fwd_lanes.py; chosen for CUDA
     # launches of few channels and at most 256 steps in whole 16-byte vectors, see lanes_fit):
@@ -133,18 +136,13 @@ def test_triton_kernels_match_oracle(name, monkeypatch):
     softplus = case.pop("softplus", True)
     strided = case.pop("strided", False)
     sliced = case.pop("sliced", False)
-    for fn_name, key in (("config", "fwd_tiles"), ("bwd_config", "bwd_tiles")):
-        if tiles := case.pop(key, None):
-            monkeypatch.setattr(scan, fn_name, scan.overridden(getattr(scan, fn_name), tiles))
-            monkeypatch.setattr(scan, "_PLANS", {})
-    if case.pop("checked", False):
-        monkeypatch.setattr(scan, "align_mode", lambda *sizes: scan.ALIGN_CHECKED)
-        monkeypatch.setattr(scan, "_PLANS", {})
-    if case.pop("unpadded", False):
-        monkeypatch.setattr(scan, "padded", lambda seqlen, T: False)
-        monkeypatch.setattr(scan, "_PLANS", {})
-    if range_block := case.pop("range_block", None):
-        monkeypatch.setattr(scan, "RANGE_BLOCK", range_block)
+    policy = DEFAULT_POLICY.replace(
+        fwd_overrides=case.pop("fwd_tiles", {}),
+        bwd_overrides=case.pop("bwd_tiles", {}),
+        align=layout.ALIGN_CHECKED if case.pop("checked", False) else None,
+        pad_rows=not case.pop("unpadded", False),
+        range_block=case.pop("range_block", DEFAULT_POLICY.range_block),
+    )
     A_scale = case.pop("A_scale", 1.0)
     inputs = make_inputs(device=DEVICE, batch=case.pop("batch", 2), dim=case.pop("dim", 8),
                          **case)  # fmt: skip
@@ -161,12 +159,14 @@ def test_triton_kernels_match_oracle(name, monkeypatch):
     if sliced:  # u, delta, z as the first seqlen steps of rows one step longer
         for k in ("u", "delta", "z"):
             args[k] = torch.cat([leaves[k], leaves[k][..., :1]], dim=-1)[..., :-1]
-    out, last = selective_scan_fn(**args, delta_softplus=softplus, return_last_state=True)
+    with use_policy(policy):
+        out, last = selective_scan_fn(**args, delta_softplus=softplus, return_last_state=True)
     gen = torch.Generator().manual_seed(7)
     w = (torch.randn(out.shape, generator=gen, dtype=torch.float64).to(DEVICE),
          torch.randn(last.shape, generator=gen, dtype=torch.float64).to(DEVICE))  # fmt: skip
     loss = (out.double() * w[0]).sum() + (last.double() * w[1]).sum()
-    grads = torch.autograd.grad(loss, [leaves[k] for k in names])
+    with use_policy(policy):
+        grads = torch.autograd.grad(loss, [leaves[k] for k in names])
     ref_out, ref_last, ref_grads = oracle(inputs, softplus, w)
     bound = BOUND[inputs["u"].dtype]
     assert rel_err(out, ref_out) < bound
@@ -178,9 +178,15 @@ def test_triton_kernels_match_oracle(name, monkeypatch):
             assert rel_err(g, ref_grads[k]) < bound, k
 
 
+def plan_of(direction: str, inputs, policy=DEFAULT_POLICY) -> plan.ScanPlan:
+    """The plan of the forward ("fwd") or the backward ("bwd") of the scan inputs (u, delta,
+    A, B, C, then optional ones, in ScanArgs' order)."""
+    return plan.ScanPlan(policy, direction == "bwd", ScanArgs(*inputs))
+
+
 def blocked(B, C, T=4, NP=8) -> tuple:
     """B and C blocked as the launchers block them (bc_layout, then bc_blocks), in float32."""
-    return scan.bc_blocks(scan.bc_layout(B, C, T, NP), B, C, torch.float32)
+    return layout.bc_blocks(layout.bc_layout(B, C, T, NP), B, C, torch.float32)
 
 
 def test_blocked_bc_layout():
@@ -222,48 +228,48 @@ def test_blocked_bc_outputs_distinct():
     """With one variable source (constant B, grouped C), the launch gets its blocks once and an
     empty spare in the other output slot. Passed as both outputs, the blocks were cloned twice
     when a traced call was functionalized (torch.compile, export, opcheck) and the clone never
-    written was returned: opcheck failed on the H200 (session 8), and make_fx(functionalize)
-    on CPU showed the graph returning the 'Cb_ptr' clone. Launches are recorded, not run."""
+    written was returned: opcheck failed on the H200, and make_fx(functionalize) on CPU showed
+    the graph returning the 'Cb_ptr' clone. Launches are recorded, not run."""
     const, grouped = torch.randn(7, 4), torch.randn(2, 2, 4, 7)
     outputs = []
     launches = offline.record_launches(lambda: outputs.extend(blocked(const, grouped, 16, 4)))
-    ((_, grid, args, _),) = launches
-    assert grid[2] == 1 and args[0] is args[1] is grouped  # one source, read as both
-    assert args[2] is outputs[1] and args[3].numel() == 0 and outputs[0] is const
+    ((_, grid, kw, _),) = launches
+    assert grid[2] == 1 and kw["B_ptr"] is kw["C_ptr"] is grouped  # one source, read as both
+    assert kw["Bb_ptr"] is outputs[1] and kw["Cb_ptr"].numel() == 0 and outputs[0] is const
 
 
 def test_align_modes():
     """Divisibility comes from Triton's specialization (multiples of 16), from the launcher
     (other multiples of T), or from the sizes at run time (symbolic sizes: checked_launches;
     its symbolic grids: test_traced_launchers_guard_alike_for_any_size)."""
-    assert scan.align_mode(8, False, 2048, 1536 * 2048, 2048, 0, 0) == scan.ALIGN_PLAIN
-    assert scan.align_mode(8, True, 2048, 1536 * 2048, 2048) == scan.ALIGN_DECLARED  # packed
-    assert scan.align_mode(8, False, 1000, 1536 * 1000, 1000) == scan.ALIGN_DECLARED
-    assert scan.align_mode(8, True, 2049, 2049) == scan.ALIGN_PLAIN  # rows not vector-aligned
+    assert layout.align_mode(8, False, 2048, 1536 * 2048, 2048, 0, 0) == layout.ALIGN_PLAIN
+    assert layout.align_mode(8, True, 2048, 1536 * 2048, 2048) == layout.ALIGN_DECLARED  # packed
+    assert layout.align_mode(8, False, 1000, 1536 * 1000, 1000) == layout.ALIGN_DECLARED
+    assert layout.align_mode(8, True, 2049, 2049) == layout.ALIGN_PLAIN  # rows not vector-aligned
     traced = make_fx(lambda u: u.new_empty(u.shape[-1]), tracing_mode="symbolic")(
         torch.randn(2, 48)
     )
     seqlen = next(iter(traced.graph.nodes)).meta["val"].shape[-1]  # a symbolic size
-    assert scan.align_mode(8, False, seqlen, 16) == scan.ALIGN_CHECKED
+    assert layout.align_mode(8, False, seqlen, 16) == layout.ALIGN_CHECKED
     # Known sizes leave one launch: the kernel they call for, with the whole grid.
     grid = (12, 1, 3)
-    assert scan.checked_launches(grid, 8, (1000, 8000)) == [(scan.ALIGN_DECLARED, grid)]
-    assert scan.checked_launches(grid, 8, (1000, 8004)) == [(scan.ALIGN_PLAIN, grid)]
+    assert layout.checked_launches(grid, 8, (1000, 8000)) == [(layout.ALIGN_DECLARED, grid)]
+    assert layout.checked_launches(grid, 8, (1000, 8004)) == [(layout.ALIGN_PLAIN, grid)]
 
 
 @pytest.mark.parametrize(
     "tiles, seqlen, layout, copied, rows, align",
     [
         # The backward's tiles: T = 8 steps of bf16.
-        ("bwd_config", 264, "contiguous", False, 264, scan.ALIGN_DECLARED),  # 8 | 264, 16 does not
-        ("bwd_config", 2049, "contiguous", True, 2056, scan.ALIGN_DECLARED),  # padded rows
-        ("bwd_config", 2048, "sliced", True, 2048, scan.ALIGN_PLAIN),  # rows of 2049: copied
-        ("bwd_config", 2048, "channels_last", False, 2048, scan.ALIGN_PLAIN),  # its strides
-        ("bwd_config", 2049, "channels_last", True, 2056, scan.ALIGN_DECLARED),  # all copied
+        ("bwd", 264, "contiguous", False, 264, layout.ALIGN_DECLARED),  # 8 | 264, 16 does not
+        ("bwd", 2049, "contiguous", True, 2056, layout.ALIGN_DECLARED),  # padded rows
+        ("bwd", 2048, "sliced", True, 2048, layout.ALIGN_PLAIN),  # rows of 2049: copied
+        ("bwd", 2048, "channels_last", False, 2048, layout.ALIGN_PLAIN),  # its strides
+        ("bwd", 2049, "channels_last", True, 2056, layout.ALIGN_DECLARED),  # all copied
         # The forward's: T = 16, or 8 where that divides the length and 16 does not.
-        ("config", 2048, "contiguous", False, 2048, scan.ALIGN_PLAIN),
-        ("config", 264, "contiguous", False, 264, scan.ALIGN_DECLARED),  # T = 8
-        ("config", 2049, "contiguous", True, 2064, scan.ALIGN_DECLARED),  # padded to T = 16
+        ("fwd", 2048, "contiguous", False, 2048, layout.ALIGN_PLAIN),
+        ("fwd", 264, "contiguous", False, 264, layout.ALIGN_DECLARED),  # T = 8
+        ("fwd", 2049, "contiguous", True, 2064, layout.ALIGN_DECLARED),  # padded to T = 16
     ],
 )
 def test_padded_rows(tiles, seqlen, layout, copied, rows, align):
@@ -273,10 +279,10 @@ def test_padded_rows(tiles, seqlen, layout, copied, rows, align):
         x["u"] = torch.randn(2, 16, seqlen + 1, dtype=torch.bfloat16, device=DEVICE)[..., :seqlen]
     if layout == "channels_last":
         x["u"] = x["u"].transpose(1, 2).contiguous().transpose(1, 2)
-    p = scan._Plan(getattr(scan, tiles), *[x.get(k) for k in SCAN_INPUTS])
+    p = plan_of(tiles, [x.get(k) for k in SCAN_INPUTS])
     assert (p.copied[0], p.rows, p.flags["ALIGN"]) == (copied, rows, align)
     assert p.flags["WIDE"] == (rows != seqlen)
-    u = p.tensors(*[x.get(k) for k in SCAN_INPUTS])[0]
+    u = p.tensors(ScanArgs(*[x.get(k) for k in SCAN_INPUTS]))["u_ptr"]
     T = p.cfg["T"]
     assert torch.equal(u, x["u"]) and (u.stride(1) % T == 0 or layout == "channels_last")
 
@@ -291,28 +297,28 @@ def test_traced_calls_pad_known_lengths_only():
     x = make_inputs(device="cpu", batch=2, dim=16, seqlen=2049, dtype=torch.bfloat16)
     with FakeTensorMode() as mode:
         fake = [None if x.get(k) is None else mode.from_tensor(x[k]) for k in SCAN_INPUTS]
-        p = scan._Plan(scan.config, *fake)
+        p = plan_of("fwd", fake)
     assert (p.pad, p.rows, p.copied, p.flags["WIDE"]) == (True, 2064, [True] * 3, True)
-    assert p.flags["ALIGN"] == scan.ALIGN_DECLARED
+    assert p.flags["ALIGN"] == layout.ALIGN_DECLARED
 
     x = make_inputs(device="cpu", batch=2, dim=16, seqlen=2048, dtype=torch.bfloat16)
     x["u"] = torch.randn(2, 16, 2049, dtype=torch.bfloat16)[..., :2048]  # rows off T
     with FakeTensorMode() as mode:
         fake = [None if x.get(k) is None else mode.from_tensor(x[k]) for k in SCAN_INPUTS]
-        p = scan._Plan(scan.config, *fake)
+        p = plan_of("fwd", fake)
     assert (p.pad, p.copied) == (False, [False] * 3)
 
     plans = []
 
     def symbolic_plan(u, delta, A, B, C, D, z, delta_bias):
-        plans.append(scan._Plan(scan.config, u, delta, A, B, C, D, z, delta_bias, None, None))
+        plans.append(plan_of("fwd", (u, delta, A, B, C, D, z, delta_bias)))
         return u.new_empty(())
 
     x = make_inputs(device="cpu", batch=2, dim=16, seqlen=37, dtype=torch.bfloat16)
     graph = make_fx(symbolic_plan, tracing_mode="symbolic")(*[x[k] for k in SCAN_INPUTS[:8]])
     u = next(iter(graph.graph.nodes)).meta["val"]
     assert (plans[0].pad, plans[0].copied, plans[0].flags["WIDE"]) == (False, [False] * 3, False)
-    assert plans[0].flags["ALIGN"] == scan.ALIGN_CHECKED
+    assert plans[0].flags["ALIGN"] == layout.ALIGN_CHECKED
     # (The tile choice guards on dstate's power of two; nothing may guard on the length.)
     seqlen = u.shape[-1].node.expr.free_symbols
     assert not [g.expr for g in u.fake_mode.shape_env.guards if g.expr.free_symbols & seqlen]
@@ -338,7 +344,7 @@ def test_traced_launchers_guard_alike_for_any_size(seqlen):
             *[x[k] for k in SCAN_INPUTS[:8]]))
     )  # fmt: skip
     assert len(launches) >= 3  # blocking, forward, backward: recorded, not run
-    forward = next(flags for kernel, _, _, flags in launches
+    forward = next(flags for kernel, _, flags, _ in launches
                    if kernel is _scan_fwd_kernel and not flags["LOCAL"])  # fmt: skip
     assert (forward["NS"], forward["PRE"] > 0, forward["EPI"]) == {
         256: (4, True, 0),
@@ -346,7 +352,7 @@ def test_traced_launchers_guard_alike_for_any_size(seqlen):
     }[seqlen]
     # The range entries' launches stay in the graph for a symbolic count of ranges, with no
     # program where it is 1 (their programs took 5-14 us of compiled forwards on the H200).
-    entries = [scan.size_hint(grid[0]) for kernel, grid, *_ in launches
+    entries = [common.size_hint(grid[0]) for kernel, grid, *_ in launches
                if kernel is _range_entries_kernel]  # fmt: skip
     assert len(entries) == 2 and (min(entries) > 0) == (seqlen == 1024), entries
     u = next(iter(graphs[0].graph.nodes)).meta["val"]
@@ -357,9 +363,9 @@ def test_traced_launchers_guard_alike_for_any_size(seqlen):
     assert guards  # e.g. buffers of at least 2 elements
     # Each scan launch is traced as a pair (checked_launches): the declaring kernel, then the
     # plain one; for any sizes exactly one of them has programs, all the launch's.
-    scans = [(flags["ALIGN"], grid[0]) for kernel, grid, _, flags in launches
+    scans = [(flags["ALIGN"], grid[0]) for kernel, grid, flags, _ in launches
              if kernel in (_scan_fwd_kernel, _scan_bwd_kernel)]  # fmt: skip
-    assert [align for align, _ in scans] == [scan.ALIGN_DECLARED, scan.ALIGN_PLAIN] * (
+    assert [align for align, _ in scans] == [layout.ALIGN_DECLARED, layout.ALIGN_PLAIN] * (
         len(scans) // 2
     )
     for sizes in itertools.product((2, 3, 8), (16, 64, 1536, 5120), (2, 7, 129, 999, 100_003)):
@@ -379,8 +385,8 @@ def test_symbolic_plan_has_plain_constants():
     plans = []
 
     def symbolic_plans(u, delta, A, B, C, D, z, delta_bias):
-        for tiles in (scan.config, scan.bwd_config):
-            plans.append(scan._Plan(tiles, u, delta, A, B, C, D, z, delta_bias, None, None))
+        for tiles in ("fwd", "bwd"):
+            plans.append(plan_of(tiles, (u, delta, A, B, C, D, z, delta_bias)))
         return u.new_empty(())
 
     x = make_inputs(device="cpu", batch=2, dim=16, dstate=12, seqlen=300, dtype=torch.bfloat16)
@@ -391,24 +397,24 @@ def test_symbolic_plan_has_plain_constants():
         assert all(not isinstance(v, torch.SymInt) for v in (*p.flags.values(), *p.cfg.values()))
         # The sizes stay symbolic, the count of ranges a compact expression: written with
         # (a + b - 1) // b, its divisions repeated dim 16 times, and Inductor's compile of
-        # sums over range-sized buffers took seconds more (see scan.cdiv).
+        # sums over range-sized buffers took seconds more (see common.cdiv).
         assert p.n_ranges.node.expr.count(dim) <= 4
 
 
 @pytest.mark.parametrize(
     "seqlen, dout_layout, align",
     [
-        (264, "contiguous", scan.ALIGN_DECLARED),
-        (264, "channels_last", scan.ALIGN_PLAIN),  # its rows do not start at multiples of T
-        (2048, "contiguous", scan.ALIGN_PLAIN),  # Triton's own specialization
-        (2048, "rows_of_2056", scan.ALIGN_DECLARED),  # multiples of T, not of 16
-        (2048, "channels_last", scan.ALIGN_PLAIN),
+        (264, "contiguous", layout.ALIGN_DECLARED),
+        (264, "channels_last", layout.ALIGN_PLAIN),  # its rows do not start at multiples of T
+        (2048, "contiguous", layout.ALIGN_PLAIN),  # Triton's own specialization
+        (2048, "rows_of_2056", layout.ALIGN_DECLARED),  # multiples of T, not of 16
+        (2048, "channels_last", layout.ALIGN_PLAIN),
     ],
 )
 def test_backward_align(seqlen, dout_layout, align):
     """The backward declares aligned rows only when dout's rows are multiples of T too."""
     x = make_inputs(device="cpu", batch=2, dim=16, seqlen=seqlen, dtype=torch.bfloat16)
-    p = scan._Plan(scan.bwd_config, *[x.get(k) for k in SCAN_INPUTS])
+    p = plan_of("bwd", [x.get(k) for k in SCAN_INPUTS])
     dout = torch.randn(2, 16, seqlen, dtype=torch.bfloat16)
     if dout_layout == "channels_last":
         dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
@@ -417,21 +423,24 @@ def test_backward_align(seqlen, dout_layout, align):
     assert scan.backward_align(p, dout)[0] == align
 
 
+TARGET = DEFAULT_POLICY.target_warps
+
+
 def test_ranges_only_for_idle_gpus():
     """Sequences are cut into ranges only when few (sequence, channel) pairs exist, never for
     packed sequences, and the ranges cover the sequence in CKPT multiples."""
     B = torch.empty(1, 16, 8)
-    cfg = scan.bwd_config(1536, 16, torch.bfloat16, B, B)
-    count, length = scan.ranges(cfg, 1, 1536, 16384, varlen=False)
-    assert count > 1 and length % scan.CKPT == 0 and (count - 1) * length < 16384 <= count * length
+    cfg = DEFAULT_POLICY.bwd(1536, 16, torch.bfloat16, B, B)
+    count, length = ranges(cfg, 1, 1536, 16384, False, TARGET)
+    assert count > 1 and length % CKPT == 0 and (count - 1) * length < 16384 <= count * length
     assert count == 32  # S3: 192 warps would take 10 ranges; once cut, FINER (4) times finer
-    fwd = scan.config(1536, 16, torch.bfloat16, B, B, 1, 16384)  # 2 lanes, 96 warps, FINER 2
-    assert scan.ranges(fwd, 1, 1536, 16384, varlen=False)[0] == 32
-    assert scan.ranges(cfg, 8, 5120, 2048, varlen=False)[0] == 1
-    assert scan.ranges(cfg, 8, 1536, 2048, varlen=False)[0] == 1  # S1: not cut, nor finer
-    assert scan.ranges(cfg, 1, 5120, 256, varlen=False)[0] == 1  # S6: 2 ranges would not pay
-    assert scan.ranges(cfg, 1, 5120, 384, varlen=False)[0] == scan.MIN_RANGES
-    assert scan.ranges(cfg, 1, 1536, 16384, varlen=True)[0] == 1
+    fwd = DEFAULT_POLICY.fwd(1536, 16, torch.bfloat16, B, B, 1, 16384)  # 2 lanes, 96 warps, FINER 2
+    assert ranges(fwd, 1, 1536, 16384, False, TARGET)[0] == 32
+    assert ranges(cfg, 8, 5120, 2048, False, TARGET)[0] == 1
+    assert ranges(cfg, 8, 1536, 2048, False, TARGET)[0] == 1  # S1: not cut, nor finer
+    assert ranges(cfg, 1, 5120, 256, False, TARGET)[0] == 1  # S6: 2 ranges would not pay
+    assert ranges(cfg, 1, 5120, 384, False, TARGET)[0] == MIN_RANGES
+    assert ranges(cfg, 1, 1536, 16384, True, TARGET)[0] == 1
 
 
 def traced(*sizes):
@@ -451,7 +460,7 @@ def test_forward_lanes():
     B = torch.empty(1, 16, 8)
 
     def lanes(num_states, dim, seqlen, varlen=False):
-        return scan.config(dim, 16, torch.bfloat16, B, B, num_states, seqlen, varlen)["NS"]
+        return DEFAULT_POLICY.fwd(dim, 16, torch.bfloat16, B, B, num_states, seqlen, varlen)["NS"]
 
     assert lanes(16, 2048, 1024) == lanes(8, 5120, 2048) == lanes(1, 1536, 16384) == 2
     assert lanes(8, 1536, 2048) == lanes(1, 5120, 256) == lanes(1, 1536, 16384, True) == 4
@@ -466,8 +475,8 @@ def test_traced_forward_tiles_are_the_examples(sizes):
     0.423 ms on the H200 with the 4 lanes symbolic sizes used to get, against 0.354 eager."""
     B = torch.empty(1, 16, 8)
     env, symbols = traced(*sizes)
-    expected = scan.config(sizes[1], 16, torch.bfloat16, B, B, sizes[0], sizes[2])
-    tiles = scan.config(symbols[1], 16, torch.bfloat16, B, B, symbols[0], symbols[2])
+    expected = DEFAULT_POLICY.fwd(sizes[1], 16, torch.bfloat16, B, B, sizes[0], sizes[2])
+    tiles = DEFAULT_POLICY.fwd(symbols[1], 16, torch.bfloat16, B, B, symbols[0], symbols[2])
     assert tiles == dict(expected, T=16)  # a symbolic length keeps T = 16 (see padded)
     assert env.guards == []
 
@@ -479,28 +488,29 @@ def test_forward_pre_pass_and_epilogue():
     B = torch.empty(1, 16, 8)
 
     def pre(num_states, dim, seqlen, varlen=False):
-        return scan.config(dim, 16, torch.bfloat16, B, B, num_states, seqlen, varlen)["PRE"]
+        return DEFAULT_POLICY.fwd(dim, 16, torch.bfloat16, B, B, num_states, seqlen, varlen)["PRE"]
 
-    assert pre(1, 5120, 256) == pre(2, 8, 64) == pre(1, 8, 150, True) == scan.PRE_STEPS
+    assert pre(1, 5120, 256) == pre(2, 8, 64) == pre(1, 8, 150, True) == DEFAULT_POLICY.pre_steps
     assert pre(8, 1536, 2048) == pre(1, 5120, 384) == pre(2, 8, 300) == pre(8, 5120, 2048) == 0
     assert pre(16, 2048, 1024) == 0
-    epi = {(dim, seqlen): scan.config(dim, 16, torch.bfloat16, B, B, 8, seqlen)["EPI"]
+    epi = {(dim, seqlen): DEFAULT_POLICY.fwd(dim, 16, torch.bfloat16, B, B, 8, seqlen)["EPI"]
            for dim, seqlen in ((5120, 2048), (1536, 2048))}  # fmt: skip
     assert epi == {(5120, 2048): 1, (1536, 2048): 0}
     assert pre(1, 5120, ShapeEnv().create_unbacked_symint()) == 0
 
 
-def test_forward_lanes_kernel(monkeypatch):
+def test_forward_lanes_kernel():
     """The lanes kernel (scan_fwd_lanes.py) where PRE would be chosen, for a known length of at
     most 256 steps and a multiple of 16, without packed sequences, with variable B and C, in
     float32 arithmetic on a GPU (here: as the offline compile sees a GPU), and only where every
     per-step row loads as whole 16-byte vectors."""
-    monkeypatch.setattr(scan, "_fast_math", lambda u, cdt: cdt == torch.float32)
+    gpu = DEFAULT_POLICY.replace(fast_math=True)
 
-    def lanes(num_states, dim, seqlen, varlen=False, dtype=torch.bfloat16, B=None, u=None):
+    def lanes(num_states, dim, seqlen, varlen=False, dtype=torch.bfloat16, B=None, u=None,
+              policy=gpu):  # fmt: skip
         B = torch.empty(1, 16, seqlen if isinstance(seqlen, int) else 8) if B is None else B
         rows = () if u is None else (u,)
-        return scan.config(dim, 16, dtype, B, B, num_states, seqlen, varlen, rows)["LANES"]
+        return policy.fwd(dim, 16, dtype, B, B, num_states, seqlen, varlen, rows)["LANES"]
 
     assert lanes(1, 5120, 256) == lanes(2, 8, 48) == lanes(1, 8, 16, dtype=torch.float32) == 16
     assert lanes(1, 5120, 257) == lanes(1, 8, 160, True) == lanes(8, 5120, 256) == 0
@@ -511,20 +521,21 @@ def test_forward_lanes_kernel(monkeypatch):
     assert lanes(1, 8, 64, B=torch.empty(1, 16, 64, 2)[..., 0]) == 0  # a strided row
     assert lanes(1, 8, 64, u=torch.empty(1, 8, 65)[..., 1:]) == 0  # rows not 16-byte aligned
     assert lanes(1, 8, 64, u=torch.empty(1, 8, 64)) == 16
-    monkeypatch.undo()
-    assert lanes(1, 5120, 256) == 0  # CPU tensors: the tile kernel (see test_forward_lanes)
+    assert lanes(1, 5120, 256, policy=gpu.replace(lanes=False)) == 0
+    # CPU tensors: the tile kernel (see test_forward_lanes)
+    assert lanes(1, 5120, 256, policy=DEFAULT_POLICY) == 0
 
 
-def test_dependent_launch_right_after_blocking_only(monkeypatch):
+def test_dependent_launch_right_after_blocking_only():
     """The forward's scan launch may start while the B/C blocking launch runs (PDL, on GPUs
     that have it) only where that launch is the one right before it, and where the scan has a
     PRE pass to run before it waits for the blocks: not after rows staged for padding (a copy
     in between, which the PRE pass reads), not without variable B/C, not for full launches."""
-    monkeypatch.setattr(scan, "_has_pdl", lambda device: True)
+    hopper = DEFAULT_POLICY.replace(pdl=True)
 
     def pdl(seqlen, batch=1, dim=8, **forms):
         x = make_inputs(device="cpu", batch=batch, dim=dim, dstate=4, seqlen=seqlen, **forms)
-        return scan._Plan(scan.config, *[x.get(k) for k in SCAN_INPUTS]).pdl
+        return plan_of("fwd", [x.get(k) for k in SCAN_INPUTS], hopper).pdl
 
     assert pdl(64) and pdl(64, b_form="constant")
     assert not pdl(64, b_form="constant", c_form="constant")
@@ -539,13 +550,12 @@ def test_pre_pass_writes_own_steps_only(monkeypatch):
     GPU, in order under the interpreter, where a stray write would go unseen but for the
     padded rows' tail, which no sequence owns and which must keep its poison)."""
     monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", "triton")
-    rows = []
-    monkeypatch.setattr(scan, "new_rows", lambda *a: rows.append(new_rows(*a)) or rows[-1])
-    monkeypatch.setattr(scan, "_PLANS", {})
     inputs = make_inputs(device=DEVICE, batch=1, dim=8, dstate=4, seqlen=150,
                          cu_seqlens=[0, 10, 10, 64, 131, 150])  # fmt: skip
-    selective_scan_fn(**inputs, delta_softplus=True)
-    pre = rows[1]._base  # out's rows, then PRE's scratch: (1, 8, 160) for 150 steps
+    with recording(launch=True) as launches:
+        selective_scan_fn(**inputs, delta_softplus=True)
+    pre = next(kw["pre_ptr"] for kernel, _, kw, _ in launches if kernel is _scan_fwd_kernel)
+    pre = pre._base  # PRE's scratch: (1, 8, 160) for 150 steps
     assert pre.shape[-1] == 160 and not pre[..., :150].isnan().any()
     assert pre[..., 150:].isnan().all()
 
@@ -560,8 +570,8 @@ def test_grids_take_large_batches():
            for k, v in x.items() if v is not None}  # fmt: skip
     with FakeTensorMode() as mode:
         big = {k: mode.from_tensor(v) for k, v in big.items()}
-        for tiles in (scan.config, scan.bwd_config):
-            p = scan._Plan(tiles, *[big.get(k) for k in SCAN_INPUTS])
+        for tiles in ("fwd", "bwd"):
+            p = plan_of(tiles, [big.get(k) for k in SCAN_INPUTS])
             grids = [grid for _, grid, _ in p.launches()]
             assert grids == [(p.n_blocks * 70000, 1, 1)]
 
@@ -576,39 +586,37 @@ def test_tiles_fill_the_warp(dim, groups, dstate):
     form = "grouped" if groups > 1 else "variable"
     x = make_inputs(device="cpu", batch=2, dim=dim, dstate=dstate, seqlen=4096, groups=groups,
                     b_form=form, c_form=form)  # fmt: skip
-    for tiles in (scan.config, scan.bwd_config):
-        p = scan._Plan(tiles, *[x.get(k) for k in SCAN_INPUTS])
+    for tiles in ("fwd", "bwd"):
+        p = plan_of(tiles, [x.get(k) for k in SCAN_INPUTS])
         assert groups == 1 or (dim // groups) % p.cfg["BLOCK"] == 0
         assert p.cfg["BLOCK"] <= p.cfg["BD"]
         for local, grid, override in p.launches():
             t = p.cfg | override
             lanes = t.get("LANES") or t["NS"]
             assert t["BD"] * lanes == 32 * t["num_warps"], (local, t)
-            assert grid[0] == scan.cdiv(dim, t["BLOCK"]) * 2
+            assert grid[0] == common.cdiv(dim, t["BLOCK"]) * 2
 
 
-def test_local_pass_tiles(monkeypatch):
+def test_local_pass_tiles():
     """The ranges' local pass takes its own tiles (LOCAL_NS) and grid; the full pass keeps the
     plan's. By default the forward's local pass has 1 lane a channel (its full pass 2: the
     sequence is cut), the backward's 2 (its full pass 4)."""
     x = make_inputs(device="cpu", batch=1, dim=64, dstate=16, seqlen=1024, dtype=torch.bfloat16)
     inputs = [x.get(k) for k in SCAN_INPUTS]
-    (local, local_grid, tiles), (full, grid, full_tiles) = scan._Plan(
-        scan.config, *inputs
-    ).launches()
+    (local, local_grid, tiles), (full, grid, full_tiles) = plan_of("fwd", inputs).launches()
     assert (local, full, full_tiles) == (True, False, {})
     assert tiles == dict(NS=1, NI=16, BD=32, BLOCK=32) and (local_grid[0], grid[0]) == (2, 4)
     assert local_grid[2] == grid[2] - 1 > 0  # every range but the first
-    (_, local_grid, tiles), (_, grid, _) = scan._Plan(scan.bwd_config, *inputs).launches()
+    (_, local_grid, tiles), (_, grid, _) = plan_of("bwd", inputs).launches()
     assert tiles == dict(NS=2, NI=8, BD=16, BLOCK=16) and (local_grid[0], grid[0]) == (4, 8)
-    monkeypatch.setattr(scan, "config", scan.overridden(scan.config, {"LOCAL_NS": 2}))
-    (_, local_grid, tiles), (_, grid, _) = scan._Plan(scan.config, *inputs).launches()
+    policy = DEFAULT_POLICY.replace(fwd_overrides={"LOCAL_NS": 2})
+    (_, local_grid, tiles), (_, grid, _) = plan_of("fwd", inputs, policy).launches()
     assert tiles == dict(NS=2, NI=8, BD=16, BLOCK=16) and local_grid[0] == grid[0] == 4
 
 
 @pytest.mark.parametrize("dstate", [17, 64, 100, 256, 300])
 def test_many_states_split_over_lanes(dstate):
-    """Beyond 16 states the tiles split a channel's states over more lanes (scan.STATE_LANES):
+    """Beyond 16 states the tiles split a channel's states over more lanes (tiles.STATE_LANES):
     a thread holds at most 16 in the forward and 8 in the backward (past 256 states, a warp's
     share), in every pass, cut into ranges or not; the backward's full pass never over 8 lanes
     (offline, Triton spread those tiles' steps over lanes)."""
@@ -617,14 +625,14 @@ def test_many_states_split_over_lanes(dstate):
         x = make_inputs(device="cpu", batch=batch, dim=dim, dstate=dstate, seqlen=seqlen,
                         dtype=torch.bfloat16)  # fmt: skip
         inputs = [x.get(k) for k in SCAN_INPUTS]
-        for tiles, most in ((scan.config, 16), (scan.bwd_config, 8)):
-            p = scan._Plan(tiles, *inputs)
+        for tiles, most in (("fwd", 16), ("bwd", 8)):
+            p = plan_of(tiles, inputs)
             launches = list(p.launches())
             assert len(launches) == (1 if batch == 8 else 2)  # the short one is cut
             for is_local, _, local in launches:
                 lanes, per_thread = local.get("NS", p.cfg["NS"]), local.get("NI", p.cfg["NI"])
                 assert lanes * per_thread == p.NP == n_pad and per_thread <= max(most, n_pad // 32)
-                assert tiles is scan.config or is_local or lanes != 8
+                assert tiles == "fwd" or is_local or lanes != 8
 
 
 @pytest.mark.parametrize(
@@ -638,12 +646,11 @@ def test_many_states_split_over_lanes(dstate):
         (1536, 8, 16, False, False),  # traced: wrap_triton takes no cap
     ],
 )
-def test_one_wave_cap(programs, T, NP, eager, capped, monkeypatch):
+def test_one_wave_cap(programs, T, NP, eager, capped):
     """The backward's register cap (eager launches on the GPU) only where it turns the grid of
     one-warp programs into one wave of 12 per SM (kernels/scan.py, one_wave_cap)."""
-    monkeypatch.setattr(scan, "_sm_count", lambda device: 132)
     p = types.SimpleNamespace(cfg=dict(T=T), NP=NP, n_blocks=programs // 8, num_states=8,
-                              n_ranges=1)  # fmt: skip
+                              n_ranges=1, policy=DEFAULT_POLICY.replace(sm_count=132))  # fmt: skip
     u = types.SimpleNamespace(is_cuda=True, device="cuda:0")
     launchers = {} if eager else None  # the call's (see _Plan.direct)
     assert scan.one_wave_cap(p, u, launchers) == ({"maxnreg": 168} if capped else {})
@@ -658,21 +665,20 @@ def test_one_wave_cap(programs, T, NP, eager, capped, monkeypatch):
         (torch.float32, "constant", "variable", True, 640, 16, 16, False),  # S6's many blocks
     ],
 )
-def test_grad_sums(dtype, b_form, c_form, optional, blocks, seqlen, dstate, wide, monkeypatch):
+def test_grad_sums(dtype, b_form, c_form, optional, blocks, seqlen, dstate, wide):
     """The backward's partial sums reduced by kernels/grad_sums.py in one launch: each gradient
     the float64 sum of its partials over programs (dA, dD, ddelta_bias, constant dB/dC) or over
     a group's blocks (variable dB/dC, (batch, blocks, tiles, NP, T) partials), cut to dstate
     states and seqlen steps, in its input's shape and dtype; the same bits when run again.
     These sizes take BM 16 (few programs); `wide` forces the widest tile (large shapes')."""
-    if wide:
-        monkeypatch.setattr(scan, "SUM_PROGRAMS", 1)
+    policy = DEFAULT_POLICY.replace(sum_programs=1) if wide else DEFAULT_POLICY
     batch, dim, T, programs = 2, 12, 8, 3
-    NP, tiles = 1 << (dstate - 1).bit_length(), scan.bc_tiles(seqlen, T)
+    NP, tiles = 1 << (dstate - 1).bit_length(), layout.bc_tiles(seqlen, T)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     p = types.SimpleNamespace(batch=batch, dim=dim, NP=NP, cfg=dict(T=T), seqlen=seqlen,
                               dstate=dstate, num_states=programs, n_ranges=1, n_blocks=blocks,
-                              cdt=acc, flags=dict(ACC=scan._tl_dtype(acc)), unused=None,
-                              sums=None)  # fmt: skip
+                              cdt=acc, flags=dict(ACC=common.tl_dtype(acc)), sums=None,
+                              policy=policy, unused_buffer=lambda u: u.new_empty((0,)))  # fmt: skip
 
     def like(form):
         shape = {"constant": (dim, dstate), "variable": (batch, dstate, seqlen),
@@ -688,6 +694,9 @@ def test_grad_sums(dtype, b_form, c_form, optional, blocks, seqlen, dstate, wide
         return torch.randn(shape, dtype=torch.float64, device=DEVICE).to(part_dtype)
 
     parts = (part(A), part(B), part(C), *[torch.randn(programs, dim, device=DEVICE).to(acc)] * 2)
+    named = dict(zip(("dA_part", "dB_part", "dC_part", "dD_part", "dbias_part"), parts,
+                     strict=True))  # fmt: skip
+    args = ScanArgs(None, None, A, B, C, D, delta_bias=delta_bias)
 
     def exact(part, t):
         if t.dim() < 3:  # over programs; (programs, dim[, NP])
@@ -698,8 +707,8 @@ def test_grad_sums(dtype, b_form, c_form, optional, blocks, seqlen, dstate, wide
         rows = rows.transpose(2, 3).reshape(batch, groups, NP, tiles * T)[:, :, :dstate, :seqlen]
         return rows.reshape(t.shape)
 
-    got = scan.grad_sums(p, None, parts, A, B, C, D, delta_bias)
-    again = scan.grad_sums(p, None, parts, A, B, C, D, delta_bias)
+    got = scan.grad_sums(p, None, named, args)
+    again = scan.grad_sums(p, None, named, args)
     for grad, repeat, part_, t in zip(got, again, parts, (A, B, C, D, delta_bias), strict=True):
         if t is None:
             assert grad is None
@@ -715,16 +724,16 @@ def test_broadcast_steps_are_copied(monkeypatch):
     """A per-step tensor whose steps are a broadcast (time stride 0, such as the gradient of a
     sum) is copied into fresh rows before the kernels read it (Triton lays a broadcast load's
     steps across lanes, kernels/scan.py): the gradients equal those from a contiguous copy."""
-    assert scan.restaged(torch.ones(()).expand(2, 16, 64), False, 8)
-    assert not scan.restaged(torch.ones(()).expand(2, 16, 1), False, 8)  # one step: no broadcast
-    assert not scan.restaged(torch.ones(2, 16, 64), False, 8)
+    assert layout.restaged(torch.ones(()).expand(2, 16, 64), False, 8)
+    assert not layout.restaged(torch.ones(()).expand(2, 16, 1), False, 8)  # one step: no broadcast
+    assert not layout.restaged(torch.ones(2, 16, 64), False, 8)
     # Traced with symbolic sizes too (the stride is a plain 0): Inductor would otherwise
     # materialize the broadcast once for each launch that reads it.
     traced = []
 
     def trace(x):
-        traced.append(scan.restaged(x.new_ones(()).expand(x.shape), False, 8))
-        traced.append(scan.restaged(x, False, 8))
+        traced.append(layout.restaged(x.new_ones(()).expand(x.shape), False, 8))
+        traced.append(layout.restaged(x, False, 8))
         return x.sum()
 
     make_fx(trace, tracing_mode="symbolic")(torch.randn(2, 16, 64))
@@ -747,25 +756,22 @@ def test_broadcast_steps_are_copied(monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_range_entries_launchers_keyed_by_dlast(monkeypatch):
+def test_range_entries_launchers_keyed_by_dlast():
     """A backward plan is keyed by the scan's inputs; dlast_state is not one of them. The range
     entries' launcher (cached in the plan for eager calls) must be picked by whether dlast is
     given and by its strides, or a call reads dlast as an earlier call laid it out. (Keyed by
     its options only, the backward's opcheck failed on the H200 in a process that had run other
-    calls of its layout, and passed in a fresh one: session 12.) Launches are recorded, not
-    run."""
+    calls of its layout, and passed in a fresh one.) Launches are recorded, not run."""
     from selective_scan.kernels.range_entries import _range_entries_kernel
 
-    keys = []
-    monkeypatch.setattr(scan, "_launch_kernel", lambda *a, key: keys.append((a[1], key)))
-    monkeypatch.setattr(scan, "_PLANS", {})
     inputs = make_inputs(device="cpu", batch=1, dim=8, dstate=4, seqlen=300)
-    ckpt = torch.zeros(1, 8, scan.checkpoint_slots(300, scan.CKPT), 4)
+    ckpt = torch.zeros(1, 8, checkpoint_slots(300, CKPT), 4)
     dout = torch.randn(1, 8, 300)
     tensors = [inputs[k] for k in SCAN_INPUTS]
-    for dlast in (None, torch.randn(1, 8, 4), torch.randn(1, 1, 1).expand(1, 8, 4)):
-        scan.scan_bwd(dout, dlast, *tensors, checkpoints=ckpt, delta_softplus=True)
-    entries = [key for kernel, key in keys if kernel is _range_entries_kernel]
+    with recording() as launches:
+        for dlast in (None, torch.randn(1, 8, 4), torch.randn(1, 1, 1).expand(1, 8, 4)):
+            scan.scan_bwd(dout, dlast, *tensors, checkpoints=ckpt, delta_softplus=True)
+    entries = [key for kernel, _, _, key in launches if kernel is _range_entries_kernel]
     assert len(entries) == 3 and len(set(entries)) == 3
 
 
@@ -826,7 +832,7 @@ def test_eager_forward_allocates_only_what_it_uses():
             scan.scan_fwd(*inputs, None, None, True)
 
     launches = offline.record_launches(lambda: [forward(mode) for mode in modes])
-    flags = next(kw for kernel, _, _, kw in launches if kernel is _scan_fwd_kernel)
+    flags = next(kw for kernel, _, kw, _ in launches if kernel is _scan_fwd_kernel)
     assert (flags["PRE"], flags["LOCAL"]) == (0, False)
     allocations = [op for op in modes[1].ops if "empty" in str(op)]
     assert len(allocations) == 5, allocations  # out, last_state, checkpoints, B and C blocks

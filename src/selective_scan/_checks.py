@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .scan_args import ScanArgs
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -121,18 +125,7 @@ def _dim_mismatch(u: Tensor, A: Tensor) -> str:
     return message
 
 
-def check_scan_inputs(
-    u: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None = None,
-    z: Tensor | None = None,
-    delta_bias: Tensor | None = None,
-    initial_state: Tensor | None = None,
-    cu_seqlens: Tensor | None = None,
-) -> None:
+def check_scan_inputs(args: ScanArgs) -> None:
     """Validate the arguments of the selective scan; raise a clear error naming the argument.
 
     u, delta, z: (batch, dim, seqlen); A: (dim, dstate); B, C: (dim, dstate),
@@ -140,6 +133,7 @@ def check_scan_inputs(
     initial_state: (batch, dim, dstate), or (num_seqs, dim, dstate) with
     cu_seqlens: (num_seqs + 1,) int32/int64 (batch must be 1).
     """
+    u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens = args.tensors
     check_tensor("u", u, (3,))
     device = u.device
     batch, dim, seqlen = u.shape
@@ -191,25 +185,24 @@ def check_scan_grads(
     dout: Tensor,
     dlast_state: Tensor | None,
     checkpoints: Tensor,
-    u: Tensor,
-    A: Tensor,
-    cu_seqlens: Tensor | None,
+    args: ScanArgs,
     interval: int,
     cdt: torch.dtype,
 ) -> None:
-    """The backward's own inputs, after check_scan_inputs of the forward's: dout like out,
-    dlast_state like last_state, and checkpoints as the same backend's forward returned them
-    (a state every ``interval`` steps, in the compute dtype ``cdt``)."""
+    """The backward's own inputs, after check_scan_inputs of the forward's (args): dout like
+    out, dlast_state like last_state, and checkpoints as the same backend's forward returned
+    them (a state every ``interval`` steps, in the compute dtype ``cdt``)."""
+    u = args.u
     device = u.device
     batch, dim, seqlen = u.shape
-    dstate = A.shape[1]
+    dstate = args.A.shape[1]
     check_tensor("dout", dout, (3,), device=device)
     check_dims("dout", dout, (batch, dim, seqlen), "(batch, dim, seqlen)")
     if dlast_state is not None:
-        num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
         check_tensor("dlast_state", dlast_state, (3,), device=device)
-        labels = "(num_seqs, dim, dstate)" if cu_seqlens is not None else "(batch, dim, dstate)"
-        check_dims("dlast_state", dlast_state, (num_states, dim, dstate), labels)
+        packed = args.cu_seqlens is not None
+        labels = "(num_seqs, dim, dstate)" if packed else "(batch, dim, dstate)"
+        check_dims("dlast_state", dlast_state, (args.num_states, dim, dstate), labels)
     check_tensor("checkpoints", checkpoints, (4,), dtypes=(cdt,), device=device)
     slots = checkpoint_slots(seqlen, interval)
     labels = "(batch, dim, slots, dstate), as the forward returned them"

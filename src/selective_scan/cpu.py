@@ -31,6 +31,7 @@ from ._checks import (
     checkpoint_slots,
     compute_dtype,
 )
+from .scan_args import ScanArgs
 
 # Time steps per chunk: the checkpoint interval of this backend (ops.py sizes the fake's
 # checkpoints from it), and the block length for layer-sized steps. Of 8, 16, 32, 64 and 128,
@@ -188,9 +189,10 @@ class _Problem:
     any input is): per-step tensors as (batch, seqlen, dim), so that the dim values of one step
     are contiguous; B and C time-major."""
 
-    def __init__(self, u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens, softplus):
-        check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
-        self.cdt = cdt = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    def __init__(self, args: ScanArgs):
+        check_scan_inputs(args)
+        u, delta, A, B, C, _, _, delta_bias, initial_state, cu_seqlens = args.tensors
+        self.cdt = cdt = compute_dtype(*args.floats)
         self.batch, self.dim, self.seqlen = u.shape
         self.dstate = A.shape[1]
         self.A = _StateWeight(A, self.dim, cdt)
@@ -201,7 +203,8 @@ class _Problem:
         if delta_bias is not None:
             dt += delta_bias.to(cdt)
         self.dt_raw = dt  # before softplus, for its derivative
-        self.dt = F.softplus(dt) if softplus else dt  # threshold 20, as in the CUDA kernel
+        # Threshold 20, as in the CUDA kernel.
+        self.dt = F.softplus(dt) if args.delta_softplus else dt
         self.dtu = self.dt * self.u
         self.segments = None if cu_seqlens is None else _Segments(cu_seqlens, self.seqlen)
         self.num_states = self.batch if cu_seqlens is None else self.segments.num_seqs
@@ -301,7 +304,8 @@ def scan_fwd(
     """Forward scan. Returns out (batch, dim, seqlen) in u's dtype, last_state (batch or
     num_seqs, dim, dstate) and checkpoints (batch, dim, num_chunks(seqlen) + 1, dstate), the state
     entering each chunk; both float32 (float64 when any input is)."""
-    p = _Problem(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus)
+    p = _Problem(ScanArgs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens,
+                          delta_softplus))  # fmt: skip
     batch, dim, dstate, cdt = p.batch, p.dim, p.dstate, p.cdt
     y = torch.empty_like(p.u)  # (batch, seqlen, dim)
     checkpoints = u.new_empty((batch, dim, checkpoint_slots(p.seqlen, CHUNK), dstate), dtype=cdt)
@@ -358,9 +362,10 @@ def scan_bwd(
 
     Returns (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state), each in its input's
     dtype and shape; the gradients of absent optional inputs are empty tensors."""
-    p = _Problem(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus)
+    args = ScanArgs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus)
+    p = _Problem(args)
     batch, dim, dstate, cdt = p.batch, p.dim, p.dstate, p.cdt
-    check_scan_grads(dout, dlast_state, checkpoints, u, A, cu_seqlens, CHUNK, cdt)
+    check_scan_grads(dout, dlast_state, checkpoints, args, CHUNK, cdt)
     silu_z = _silu(z, cdt)
     # Gradient of y = C h + D u, as (batch, seqlen, dim) like the other per-step tensors.
     dy = _transpose(dout if z is None else dout * silu_z, cdt)

@@ -48,8 +48,7 @@ def scan_ops(u: Tensor):
 def _forward(u: Tensor, inputs: tuple):
     """The forward op of ``u``'s backend, or its implementation where calling that directly is
     the same (``kernels.launch.direct_call_ok``: plain eager, nothing to differentiate): an
-    eager call of a small scan then skips the dispatcher (S6 on the H200: 86-89 us a call
-    against 119-126 through the op, bench/NOTES.md session 16)."""
+    eager call of a small scan then skips the dispatcher's host time (design §1.5)."""
     fwd, _ = scan_ops(u)
     return ops.FORWARD_IMPLEMENTATIONS[fwd] if direct_call_ok(inputs) else fwd
 

@@ -25,20 +25,21 @@ import torch
 from . import cpu
 from ._checks import check_scan_grads, check_scan_inputs, checkpoint_slots, compute_dtype
 from .kernels.launch import direct_call_ok
+from .scan_args import ScanArgs
 
 
 def fwd_fake(chunk: int):
     """Fake forward for a backend whose checkpoint interval is ``chunk`` steps."""
 
     def fake(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus):
-        check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
-        cdt = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+        args = ScanArgs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
+        check_scan_inputs(args)
+        cdt = compute_dtype(*args.floats)
         batch, dim, seqlen = u.shape
         dstate = A.shape[1]
-        num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
         return (
             u.new_empty(u.shape),
-            u.new_empty((num_states, dim, dstate), dtype=cdt),
+            u.new_empty((args.num_states, dim, dstate), dtype=cdt),
             u.new_empty((batch, dim, checkpoint_slots(seqlen, chunk), dstate), dtype=cdt),
         )
 
@@ -50,13 +51,11 @@ def bwd_fake(
     checkpoints, delta_softplus,
 ):  # fmt: skip
     """Fake backward of the PyTorch family (checkpoints every cpu.CHUNK steps)."""
-    check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
-    cdt = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    check_scan_grads(dout, dlast_state, checkpoints, u, A, cu_seqlens, cpu.CHUNK, cdt)
-    return tuple(
-        u.new_empty((0,)) if t is None else t.new_empty(t.shape)
-        for t in (u, delta, A, B, C, D, z, delta_bias, initial_state)
-    )
+    args = ScanArgs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
+    check_scan_inputs(args)
+    cdt = compute_dtype(*args.floats)
+    check_scan_grads(dout, dlast_state, checkpoints, args, cpu.CHUNK, cdt)
+    return tuple(u.new_empty((0,)) if t is None else t.new_empty(t.shape) for t in args.floats)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -70,8 +69,7 @@ def _make_backward(bwd_op):
     """The autograd backward of a forward op: ``bwd_op``, or its implementation
     (BACKWARD_IMPLEMENTATIONS) where calling that directly is the same
     (``kernels.launch.direct_call_ok``: an eager backward, nothing traced, no double backward),
-    which skips the dispatcher (S6's backward, launches stubbed out, on a CPU: 67 against 110
-    us of host time; bench/NOTES.md, session 27)."""
+    which skips the dispatcher's host time (design §1.5)."""
 
     def backward(ctx, dout, dlast_state, _dcheckpoints):
         *inputs, checkpoints = ctx.saved_tensors

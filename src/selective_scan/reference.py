@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._checks import check_cu_seqlens_values, check_flag, check_scan_inputs, compute_dtype
+from .scan_args import ScanArgs
 
 
 def expand_bc(t: Tensor, batch: int, dim: int, seqlen: int) -> Tensor:
@@ -62,10 +63,11 @@ def selective_scan_ref(
     u's dtype, plus last_state (batch or num_seqs, dim, dstate) when return_last_state.
     Differentiable by autograd through every input.
     """
-    check_scan_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
+    args = ScanArgs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
+    check_scan_inputs(args)
     check_flag("selective_scan_ref", "delta_softplus", delta_softplus)
     check_flag("selective_scan_ref", "return_last_state", return_last_state)
-    cdt = compute_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    cdt = compute_dtype(*args.floats)
     batch, dim, seqlen = u.shape
     dstate = A.shape[1]
     uc, dt = u.to(cdt), delta.to(cdt)

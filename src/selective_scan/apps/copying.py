@@ -62,7 +62,7 @@ class Row:
 
 # Smallest length the exported forward takes (every prompt here is longer). Sizes 0 and 1
 # specialize everywhere. Export on CUDA once failed on a guard ceil(seqlen / 4) != 1 from the
-# Triton launcher's B/C blocking; kernels/scan.py's bc_tiles removed it, and 16 keeps a margin
+# Triton launcher's B/C blocking; kernels/layout.py's bc_tiles removed it, and 16 keeps a margin
 # until a GPU run confirms that.
 MIN_EXPORT_SEQLEN = 16
 

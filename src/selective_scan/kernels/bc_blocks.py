@@ -2,7 +2,7 @@
 
 A source (batch, [groups,] dstate, seqlen) with any strides becomes contiguous (batch, groups,
 tiles, NP, T) blocks in the compute dtype, zero past seqlen and past dstate: the layout whose
-(state, tile) rows the scan kernels load as whole aligned vectors (see kernels/scan.py,
+(state, tile) rows the scan kernels load as whole aligned vectors (see kernels/layout.py,
 bc_blocks). Program (row, k, which) writes the k-th TILES tiles of row batch * G + group (G
 the larger group count of the two sources) of B (which = 0) or C (which = 1). Rows lie on the
 grid's first axis, whose limit is 2^31 - 1 programs (65535 on the others).
@@ -37,7 +37,7 @@ def _bc_blocks_kernel(
     seqlen, dstate, tiles, G, B_groups, s_Bb, s_Bg, s_Bn, s_Bt, C_groups, s_Cb, s_Cg, s_Cn, s_Ct,
     NP: tl.constexpr, T: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    if PDL:  # the scan launched after this one may start (see kernels/scan.py, Plan.pdl)
+    if PDL:  # the scan launched after this one may start (see kernels/plan.py, ScanPlan.pdl)
         gdc_launch_dependents()
     row = tl.program_id(0)
     if tl.program_id(2) == 0:

@@ -1,4 +1,4 @@
-"""Triton helpers shared by the scan kernels.
+"""Helpers shared by the kernel modules: host-side size arithmetic, then Triton functions.
 
 Tile layout. Every per-step tensor is a [BD, NS, T] tile: BD channels, NS lanes that split the
 states of a channel, T time steps. Loads are built so that T is the contiguous axis of whole
@@ -8,11 +8,52 @@ compile-time index folds to a register read (`pick`, `put`). The states of a cha
 as n = lane * NI + i: NI states per thread, NS threads per channel.
 """
 
+import os
+
+import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+
+
+def cdiv(a, b):
+    """Ceiling division for ints and SymInts, b > 0 (triton.cdiv is a JIT function, slow to
+    call). Each operand appears once: nested divisions as (a + b - 1) // b repeat their
+    symbolic divisors into longer sympy expressions, which Inductor compiles slower."""
+    return -(-a // b)
+
+
+def sym_min(a, b):
+    """min for ints, torch.sym_min for SymInts (no guard)."""
+    return min(a, b) if isinstance(a, int) and isinstance(b, int) else torch.sym_min(a, b)
+
+
+def sym_max(a, b):
+    """max for ints, torch.sym_max for SymInts (no guard)."""
+    return max(a, b) if isinstance(a, int) and isinstance(b, int) else torch.sym_max(a, b)
+
+
+def size_hint(v) -> int | None:
+    """v if an int; for a symbolic size, its value in the example being traced (None where
+    there is none, e.g. a size read from data). Reading it adds no guard."""
+    if isinstance(v, int):
+        return v
+    hint = v.node.hint if isinstance(v, torch.SymInt) else None
+    return hint if isinstance(hint, int) else None
+
+
+def tl_dtype(dtype: torch.dtype):
+    """The kernels' accumulation dtype for a compute dtype: float64, else float32."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def fast_math(u: Tensor, cdt: torch.dtype) -> bool:
+    """Whether kernels use MUFU approximations (inline PTX) for log and reciprocals: float32
+    arithmetic on a GPU, never under the interpreter (which runs no PTX)."""
+    return u.is_cuda and cdt == torch.float32 and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit
@@ -32,7 +73,7 @@ def block_channels(blk, dim, BD: tl.constexpr, BLOCK: tl.constexpr):
     B/C covers only channels of one group (BLOCK, a power of two dividing the group's channel
     count) and masks its other rows. With fewer rows than lanes, Triton lays the time axis
     across lanes and replicates values over the rest, and its scan lowering gave wrong
-    results there on the H200 (docs/design.md, "Tiles fill the warp")."""
+    results there on the H200 (design §9, "Tiles fill the warp")."""
     rows = tl.arange(0, BD)
     ch = blk * BLOCK + rows
     ok = ch < dim
@@ -217,7 +258,7 @@ def tile_masks(row_ok, t, start, end, seqlen, T: tl.constexpr, WHOLE: tl.constex
     afterwards. A packed sequence starts and ends anywhere, and so does the last tile of a
     length that is not a multiple of T; a mask varying inside a tile costs the loads their
     vector width, and the kernel its in-thread layout of the time axis. Rows must hold the
-    rounded-up length (the launcher pads them, see kernels/scan.py)."""
+    rounded-up length (the launcher pads them, see kernels/layout.py)."""
     m = row_ok & (t >= start) & (t < end)
     if WHOLE:  # written so, Triton knows the bound is a multiple of T
         return m, row_ok & (t < ((seqlen + T - 1) // T) * T)
@@ -257,9 +298,8 @@ def load_states(ptrs, stride, limit, NI: tl.constexpr, row_ok, ACC: tl.constexpr
     """[BD, NS, NI] values at ptrs ([BD, NS, 1], state lane * NI) + i * stride, states from
     `limit` (state count less lane * NI) on read as 0. One [BD, NS, 1] load per state i: a
     [BD, NS, NI] load of NI contiguous float32 states wider than a 16-byte vector (NI = 8, 2
-    lanes) is laid over 2 threads, and Triton laid the whole tile loop out so, the time axis
-    split across lanes: 1640 SASS instructions a tile against 1302, 167 registers against 128
-    (S3's, S5's and S7's forward, session 12)."""
+    lanes) is laid over 2 threads, and Triton then lays the whole tile loop out so, with the
+    time axis split across lanes (design §3)."""
     i_idx = tl.arange(0, NI)[None, None, :]
     out = tl.zeros([ptrs.shape[0], ptrs.shape[1], NI], ACC)
     for i in tl.static_range(NI):

@@ -22,8 +22,7 @@ outer * T + inner < length:
 A program sums BM consecutive m of one row over all K terms, BK terms a load. Jobs take
 consecutive ranges of the grid's one axis (dA, dB, dC, dD, ddelta_bias), which the launcher
 sizes and passes as the ranges' ends (kernels/scan.py, grad_sums_launch); an absent one takes
-none. Replaces seven torch reductions and two copies: about 30 us of S6's 112 us of backward
-kernels, and their host time (bench/NOTES.md, session 27).
+none. One launch instead of seven torch reductions and two copies (design §12).
 """
 
 import triton

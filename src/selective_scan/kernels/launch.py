@@ -17,11 +17,17 @@ internals are missing.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import inspect
 import os
+from collections.abc import Iterator
 
 import torch
+import triton.language as tl
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
+from torch.library import wrap_triton
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 try:
@@ -68,28 +74,39 @@ def is_plain_eager(tensors) -> bool:
     return all(t is None or (type(t) in PLAIN_TYPES and not is_fake(t)) for t in tensors)
 
 
+def runtime_params(kernel) -> tuple[str, ...]:
+    """The names of a JIT kernel's parameters that are not constexprs, in order (for a JIT
+    function and for the interpreter's wrapper alike)."""
+    params = inspect.signature(kernel.fn).parameters.values()
+    return tuple(p.name for p in params if p.annotation not in (tl.constexpr, "tl.constexpr"))
+
+
 class Launcher:
-    """Launches of one kernel with one plan: ``launcher(*tensors)`` runs
-    ``kernel[grid](*tensors, *scalars, **options)``, where the kernel's tensor parameters come
-    first and the plan fixes grid, scalars and options (the caller keeps one Launcher per plan
-    and per value of any option it varies)."""
+    """Launches of one kernel with one plan: ``launcher(tensors)`` runs
+    ``kernel[grid](**tensors, **scalars, **options)``, where the plan fixes grid, scalars and
+    options (the caller keeps one Launcher per plan and per value of any option it varies).
+    Every argument is passed by name; the kernel's tensor parameters must come first in its
+    signature, in any order among themselves."""
 
-    __slots__ = ("_compiled", "grid", "kernel", "options", "scalars")
+    __slots__ = ("_compiled", "_order", "grid", "kernel", "options", "scalars")
 
-    def __init__(self, kernel, grid: tuple, scalars: tuple, options: dict):
+    def __init__(self, kernel, grid: tuple, scalars: dict, options: dict):
         self.kernel, self.grid, self.scalars, self.options = kernel, grid, scalars, options
         # (device, alignment of each tensor) -> (CompiledKernel.run, function, metadata, tail)
         self._compiled: dict[tuple, tuple] | None = {} if _direct_launches_work() else None
+        self._order: tuple[str, ...] | None = None  # the tensor parameters in signature order
 
-    def __call__(self, *tensors) -> None:
+    def __call__(self, tensors: dict) -> None:
         compiled = self._compiled
-        if compiled is None or not tensors[0].is_cuda or _hooks_set():
-            self.kernel[self.grid](*tensors, *self.scalars, **self.options)
+        first = next(iter(tensors.values()))
+        if compiled is None or not first.is_cuda or _hooks_set():
+            self.kernel[self.grid](**tensors, **self.scalars, **self.options)
             return
+        order = self._order or self._tensor_order(tensors)
         device = driver.active.get_current_device()
         # Pointers as ints: Triton's launcher then skips a data_ptr() call and a CUDA driver
         # query per tensor (the plan's checks already put every tensor on this CUDA device).
-        ptrs = [None if t is None else t.data_ptr() for t in tensors]
+        ptrs = [None if (t := tensors[name]) is None else t.data_ptr() for name in order]
         key = (device, *[p is None or p % 16 == 0 for p in ptrs])
         entry = compiled.get(key)
         if entry is None:  # this launch goes through Triton, which compiles or finds the kernel
@@ -101,16 +118,68 @@ class Launcher:
         stream = driver.active.get_current_stream(device)
         run(*self.grid, stream, function, metadata, None, None, None, *ptrs, *tail)
 
-    def _launch_and_keep(self, device: int, tensors: tuple) -> tuple | None:
+    def _tensor_order(self, tensors: dict) -> tuple[str, ...]:
+        """The kernel's leading parameters, which must be exactly the tensors passed: a direct
+        launch passes pointers by position."""
+        order = tuple(self.kernel.arg_names[: len(tensors)])
+        if set(order) != set(tensors):
+            raise TypeError(
+                f"{self.kernel.__name__}: tensor arguments {sorted(tensors)} are not the "
+                f"kernel's leading parameters {list(order)}"
+            )
+        self._order = order
+        return order
+
+    def _launch_and_keep(self, device: int, tensors: dict) -> tuple | None:
         """Launch through Triton (compiling if needed) and return what a direct launch of the
         same kernel needs; None when Triton did not return a compiled kernel."""
-        args = (*tensors, *self.scalars)
-        kernel = self.kernel[self.grid](*args, **self.options)
+        kwargs = {**tensors, **self.scalars, **self.options}
+        kernel = self.kernel[self.grid](**kwargs)
         if kernel is None or not hasattr(kernel, "packed_metadata"):
             return None
-        bound = tuple(self.kernel.device_caches[device][4](*args, **self.options)[0].values())
+        bound = tuple(self.kernel.device_caches[device][4](**kwargs)[0].values())
         kernel.run  # noqa: B018 (loads the module on this device, which sets .function)
         return kernel.run, kernel.function, kernel.packed_metadata, bound[len(tensors) :]
+
+
+# Launches recorded (``recording``): (list, whether to launch them too) while a block
+# records, else None.
+_RECORD: contextvars.ContextVar[tuple[list, bool] | None] = contextvars.ContextVar(
+    "selective_scan_recorded_launches", default=None
+)
+
+
+@contextlib.contextmanager
+def recording(launch: bool = False) -> Iterator[list]:
+    """Inside the block, ``launch_kernel`` records (kernel, grid, kwargs, key) in the list it
+    yields, and launches nothing unless ``launch``: for offline compiles, and for inspecting
+    what a call launches and with which launcher key."""
+    launches: list = []
+    token = _RECORD.set((launches, launch))
+    try:
+        yield launches
+    finally:
+        _RECORD.reset(token)
+
+
+def launch_kernel(launchers: dict | None, kernel, grid: tuple, tensors: dict, scalars: dict,
+                  options: dict, key) -> None:  # fmt: skip
+    """kernel[grid](**tensors, **scalars, **options): directly with ``launchers`` (a plan's
+    Launchers, by ``key``, for plain eager calls on CUDA tensors), through wrap_triton when it is
+    None (traced calls, the interpreter)."""
+    record = _RECORD.get()
+    if record is not None:
+        record[0].append((kernel, grid, {**tensors, **scalars, **options}, key))
+        if not record[1]:
+            return
+    if launchers is None:
+        wrap_triton(kernel)[grid](**tensors, **scalars, **options)
+        return
+    launcher = launchers.get(key)
+    if launcher is None:
+        launcher = Launcher(kernel, grid, scalars, options)
+        launchers[key] = launcher
+    launcher(tensors)
 
 
 def _hooks_set() -> bool:

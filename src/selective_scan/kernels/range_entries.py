@@ -10,8 +10,7 @@ This kernel runs that scan once for every (sequence, channel, state), between th
 and the full one, and writes e in place of h: the forward's slot r then holds the state entering
 range r + 1, the backward's slot r the gradient leaving range r - 1. The full launch loads one
 slot. Folding the earlier ranges inside each full-launch program instead repeated the recursion
-up to r times per program (quadratic in the range count) on its critical path: 37 of S3's 387
-us forward (bench/NOTES.md, session 12).
+up to r times per program (quadratic in the range count) on its critical path (design §7).
 
 Program = one sequence x BD channels x NP states (the grid's first axis, blocks fastest, see
 common.block_and_sequence). It takes RB ranges a step: one load of their (RB, BD * NP) results,
@@ -49,7 +48,7 @@ def _range_entries_kernel(
     range_step = num_seqs.to(tl.int64) * dim
     k_idx = tl.arange(0, RB)[:, None]  # [RB, 1]
     steps = n_ranges - 1  # the local launch covers all ranges but one
-    for k0 in range(0, steps, RB):  # not pipelined: 14.5 against 18.6 us at S3 (session 12)
+    for k0 in range(0, steps, RB):  # not pipelined: faster here (design §7)
         k = k0 + k_idx
         live = k < steps
         r = (n_ranges - 1 - k) if REVERSE else k  # the range whose results this row folds in

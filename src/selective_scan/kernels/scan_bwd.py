@@ -108,7 +108,7 @@ def _scan_bwd_kernel(
     STAGES: tl.constexpr, LOCAL: tl.constexpr, KEEP_STEPS: tl.constexpr,
     WIDE: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
-    ALIGNED: tl.constexpr = ALIGN == 1  # see ALIGN in kernels/scan.py
+    ALIGNED: tl.constexpr = ALIGN == 1  # see ALIGN in kernels/layout.py
     WHOLE: tl.constexpr = WIDE and ALIGNED  # load whole tiles (see tile_masks)
     blk, seq, num_seqs = block_and_sequence(dim, BLOCK)
     rng = tl.program_id(2)
@@ -169,7 +169,7 @@ def _scan_bwd_kernel(
         z_row = z_ptr + row_offset(batch, s_zb, ch64, s_zd, T, ALIGNED)
     dout_row = dout_ptr + row_offset(batch, s_ob, ch64, s_od, T, ALIGNED)
     # Gradient outputs are contiguous rows of `rows` steps (batch, dim, rows): seqlen, or
-    # seqlen padded to a multiple of T (see kernels/scan.py).
+    # seqlen padded to a multiple of T (see kernels/layout.py).
     grad_row = row_offset(batch, dim * rows, ch64, rows, T, ALIGNED)
     program = (seq64 * n_ranges + rng) * n_blocks + blk
     # Per tile of a chunk: the states entering it (BD * NP) and, with KEEP_STEPS, its delta and

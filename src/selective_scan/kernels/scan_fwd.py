@@ -18,9 +18,9 @@ sum(delta); the range entries' launch (range_entries.py) turns those into the st
 each range (the state entering range r + 1 is exp(A sum(delta_r)) h_in(r) + h_local(r)); the
 full launch then starts range r from it.
 
-With PRE (a launch of few warps, see config), each program first writes delta after its bias
-and softplus for its rows to a scratch, PRE steps at a time, and the tile loop reads that. With
-PDL (eager calls, see Plan.pdl in kernels/scan.py) the launch may start while the B/C blocking
+With PRE (a launch of few warps, see tiles.fwd_tiles), each program first writes delta after
+its bias and softplus for its rows to a scratch, PRE steps at a time, and the tile loop reads
+that. With PDL (eager calls, see plan.ScanPlan.pdl) the launch may start while the B/C blocking
 launch before it runs: programs wait for it (gdc_wait) after the PRE pass, before the tile loop
 reads the blocks.
 
@@ -36,7 +36,7 @@ get delta = 0, i.e. exp(0 * A) = 1 and no input: they carry the state through un
 Loads and stores of T-step tiles are 16-byte vectors only where Triton knows that row offsets
 and range bounds are multiples of T; otherwise it lays the time axis across lanes, 3-5x slower.
 Its launch-time specialization knows multiples of 16 (ALIGN 0). ALIGN 1 declares multiples of
-T where the launcher knows them (see ALIGN in kernels/scan.py, which also covers traced calls,
+T where the launcher knows them (see ALIGN in kernels/layout.py, which also covers traced calls,
 whose sizes are symbolic). The backward does the same.
 """
 
@@ -78,7 +78,7 @@ def _scan_fwd_kernel(
     PRE: tl.constexpr, EPI: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr,
     ALIGN: tl.constexpr,
 ):  # fmt: skip
-    ALIGNED: tl.constexpr = ALIGN == 1  # see ALIGN in kernels/scan.py
+    ALIGNED: tl.constexpr = ALIGN == 1  # see ALIGN in kernels/layout.py
     WHOLE: tl.constexpr = WIDE and ALIGNED  # load whole tiles (see tile_masks)
     blk, seq, num_seqs = block_and_sequence(dim, BLOCK)
     rng = tl.program_id(2)
@@ -109,7 +109,7 @@ def _scan_fwd_kernel(
     # State entering this range: the initial state, or for later ranges the one left in
     # their slot of the local results by the range entries' launch (range_entries.py).
     # Per-range results are (ranges, sequences, dim[, NP]): no stride depends on the range
-    # count (a symbolic one made Inductor copy these buffers, see kernels/scan.py).
+    # count (a symbolic one made Inductor copy these buffers, see kernels/plan.py).
     range_row = seq.to(tl.int64) * dim + ch64  # [BD, 1, 1]: this block's rows of range 0
     range_step = num_seqs.to(tl.int64) * dim
     h = tl.zeros([BD, NS, NI], ACC)
@@ -152,7 +152,7 @@ def _scan_fwd_kernel(
         # delta's per-step work (bias, softplus) once per (channel, step), spread over all the
         # lanes of the program, into rows of the compute dtype laid out like out's; the tile
         # loop then loads it, where each of a channel's NS lanes would repeat it for every step
-        # (S6, 4 lanes: 876 -> 618 SASS instructions a tile, 104 -> 72 MUFU; see config).
+        # (S6, 4 lanes: 876 -> 618 SASS instructions a tile, 104 -> 72 MUFU; design §9).
         pre_row = pre_ptr + row_offset(batch, s_ob, ch64, s_od, T, ALIGNED)
         for p0 in tl.range((start // T) * T, end, PRE, num_stages=STAGES):
             tp = p0 + tl.arange(0, PRE)[None, None, :]  # [1, 1, PRE]

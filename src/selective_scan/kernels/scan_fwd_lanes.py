@@ -1,5 +1,5 @@
 """Forward selective-scan kernel for short sequences in launches of few channels (see LANES in
-kernels/scan.py's config): a channel's steps across the lanes of a warp.
+kernels/tiles.py, fwd_tiles): a channel's steps across the lanes of a warp.
 
 One program (one warp) = BD = 32 / LANES channels of one sequence of at most LANES * T steps.
 Thread (c, l) holds steps [l T, (l + 1) T) of channel c, so the per-step work (delta's bias
@@ -12,8 +12,8 @@ state entering them; y += C h. Then out = (y + D u) * silu(z). The states after 
 
 Why: scan_fwd.py keeps a channel's steps in one thread and its states across lanes, so each
 sequence is a chain of tiles through one warp. S6 (5120 channels, 256 steps) gives it 640 warps
-for 528 schedulers, each walking 16 tiles: bound by the chain's latency (bench/NOTES.md,
-sessions 13-21). Here S6 is 2560 warps of 16 states each, about five a scheduler.
+for 528 schedulers, each walking 16 tiles: bound by the chain's latency (design §4). Here S6 is
+2560 warps of 16 states each, about five a scheduler.
 
 Layout. Triton loads a thread's share of a 1-D tensor as 16-byte vectors (V = 8 steps of a
 16-bit input, 4 of float32), so a [BD, LANES * T] load would spread a thread's steps over
@@ -21,7 +21,7 @@ lanes. Each per-step tensor (u, delta, z, and B/C, read in place with their stri
 therefore loaded flat, with an index e whose vector j, thread i and repeat r (e = r * 32 V +
 i V + j) map to channel c = i // LANES, step (i % LANES) T + r V + j; reshaped and permuted to
 [BD, LANES * T], each thread then holds its T steps in order (`_in_lanes`; no data moves). This
-holds only where every load is whole vectors (kernels/scan.py, lanes_fit). bfloat16 B/C rows
+holds only where every load is whole vectors (kernels/tiles.py, lanes_fit). bfloat16 B/C rows
 load as int32 pairs of steps (`_bc_rows`). B/C rows are shared by a group's channels: its first
 programs prefetch them into L2 (`_prefetch_rows`).
 
@@ -79,7 +79,7 @@ def scan_ptx(lanes: int, steps: int) -> str:
         "}",
     ]
     # One line: Inductor copies the kernel's globals into its generated source as literals,
-    # and a newline inside one broke that source (SyntaxError on the H200, session 22).
+    # and a newline inside one breaks that source (a SyntaxError).
     return " ".join(lines)
 
 
@@ -156,9 +156,8 @@ def _bc_offsets(ptr, blk, dim, seqlen, s_g, s_t, per_group, BD: tl.constexpr,
 def _bc_rows(row, offs, ok, ACC: tl.constexpr, BD: tl.constexpr, LANES: tl.constexpr,
              S: tl.constexpr):  # fmt: skip
     """One state's B or C rows (row: the state's start) as [BD, LANES * S] in ACC. bfloat16
-    is widened by bit operations, one a step, where Triton's conversion took 1.5 (PRMT and SHF
-    for the high half of each pair): the state loop went from 209 to 196 instructions (offline
-    SASS), S6's kernel from 16.75 to 16.51 us (bench/NOTES.md, session 24)."""
+    is widened by bit operations, one a step, where Triton's conversion takes 1.5 (PRMT and SHF
+    for the high half of each pair; design §4)."""
     if row.dtype.element_ty == tl.bfloat16:
         x = tl.load(row.to(tl.pointer_type(tl.int32), bitcast=True) + offs, mask=ok, other=0)
         x = _in_lanes(x, 4, BD, LANES, S // 2)
@@ -221,8 +220,8 @@ def _scan_fwd_lanes_kernel(
     ALIGN: tl.constexpr, LANES: tl.constexpr, FULL: tl.constexpr,
 ):  # fmt: skip
     # The leading and trailing arguments are scan_fwd.py's (one plan builds both); B and C
-    # come as they are, with their strides (see kernels/scan.py, lanes_bc_args). Ranges, packed
-    # sequences, the PRE pass and EPI do not apply here (see config).
+    # come as they are, with their strides (see layout.lanes_bc_scalars). Ranges, packed
+    # sequences, the PRE pass and EPI do not apply here (see tiles.fwd_tiles).
     tl.static_assert((LANES == 16) & (T == 16) & (BD * LANES == 32) & (BLOCK == BD))
     tl.static_assert(not VARLEN)
     tl.static_assert(B_VAR & C_VAR)  # see lanes_fit
@@ -238,8 +237,8 @@ def _scan_fwd_lanes_kernel(
 
     if FAST:
         # Every channel of a group reads the group's B/C rows, state after state: from cold
-        # lines, all its warps would wait on DRAM at each state (S6: 22.9 against 18.4 us of
-        # kernel, session 23). The group's first programs prefetch all of them into L2 at once.
+        # lines, all its warps would wait on DRAM at each state. The group's first programs
+        # prefetch all of them into L2 at once (design §4).
         # The interpreter has no PTX.
         B_lines = (seqlen * B_ptr.dtype.element_ty.primitive_bitwidth + 1023) // 1024
         C_lines = (seqlen * C_ptr.dtype.element_ty.primitive_bitwidth + 1023) // 1024
@@ -284,19 +283,17 @@ def _scan_fwd_lanes_kernel(
         tl.store(ckpt_row + states, tl.zeros([BD, DSTATE_P2], ACC), mask=states_ok)
     h0 = tl.zeros([BD, 1], ACC)
     # Each state's B row and A are loaded one state ahead: their latency was a third of the
-    # loop's stalls (ncu, session 22).
+    # loop's stalls (ncu, design §4).
     b_next = _bc_rows(B_seq, B_offs, B_ok, ACC, BD, LANES, S)
     A_next = tl.load(A_ptr + ch64 * s_Ad, mask=row_ok, other=0.0).to(ACC)
-    # y starts at D u, from the u loaded for delta u: the epilogue reloaded u (S6 as a CUDA
-    # graph, two calls: 21.8 -> 21.1-21.2 us, bench/NOTES.md, session 25).
+    # y starts at D u, from the u loaded for delta u, instead of reloading u in the epilogue.
     y = tl.zeros([BD, CH], ACC)
     if HAS_D:
         y += tl.load(D_ptr + ch64 * s_D, mask=row_ok, other=0.0).to(ACC) * uu
     if FAST & HAS_Z:
         # z's rows into L2 now that delta's and u's loads are in: from DRAM, the epilogue's
-        # first use of z waited with every warp at once (ncu: 6% of S6's stall samples). S6 as
-        # a CUDA graph 21.1-21.2 -> 20.8 us (bench/NOTES.md, session 29); at the start, with
-        # delta's and u's loads, it cost as much as it saved (session 25).
+        # first use of z waits with every warp at once; prefetched at the start, with delta's
+        # and u's loads, it costs as much as it saves (design §4).
         z_lines = (seqlen * z_ptr.dtype.element_ty.primitive_bitwidth + 1023) // 1024
         z_rows = z_ptr + batch * s_zb + (blk * BD).to(tl.int64) * s_zd
         _prefetch_rows(z_rows, 0, s_zd, s_zt, tl.minimum(BD, dim - blk * BD), z_lines)
@@ -314,7 +311,7 @@ def _scan_fwd_lanes_kernel(
         x = dtu * b
         if FAST:
             # A in the lanes' layout picked from the steps' (register picks): taken from A2
-            # itself, it was loaded twice a state, once a layout (S6: -0.07 us, session 29).
+            # itself, it would be loaded twice a state, once a layout.
             A2_lanes = _lane_ends(tl.broadcast_to(A2, [BD, CH]), BD, LANES, S)
             log_p = tl.reshape(tl.broadcast_to((dt_sums * A2_lanes)[:, :, None], [BD, LANES, S]),
                                [BD, CH])  # fmt: skip

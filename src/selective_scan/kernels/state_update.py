@@ -22,9 +22,8 @@ from torch import Tensor
 from torch.library import wrap_triton
 
 from .._state_update_checks import check_state_update_inputs, heads_strides, out_shape
-from .common import LOG2E, block_and_sequence, sigmoid, softplus
-from .launch import Launcher
-from .scan import _fast_math, _tl_dtype, cdiv
+from .common import LOG2E, block_and_sequence, cdiv, fast_math, sigmoid, softplus, tl_dtype
+from .launch import Launcher, runtime_params
 
 
 @triton.jit
@@ -93,11 +92,15 @@ def _state_update_kernel(
     tl.store(out_ptr + b * s_ob + h * s_oh + d64 * s_od, y.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+# The kernel's tensor parameters, then its scalar ones (each a value of _plan's, in order).
+_TENSORS = runtime_params(_state_update_kernel)[:11]
+_SCALARS = runtime_params(_state_update_kernel)[11:]
+
+
 def block(dstate) -> tuple[int, int, int]:
     """(NP = dstate padded to a power of two, BD channels per program, num_warps): a tile of
-    2048 states per 4-warp program, 16 per thread. Swept on the H200 for dstate 16 (BD 16-128,
-    2-8 warps, bench/NOTES.md): 128 channels beat mamba_ssm's 32 by 1.3-1.7x from batch 16 up,
-    and reach 94% of copy bandwidth at batch 256. Plain comparisons: for a symbolic dstate they
+    2048 states per 4-warp program, 16 per thread, the best of bench/tune_decode.py's sweep on
+    the H200 at dstate 16 (design §8). Plain comparisons: for a symbolic dstate they
     become guards, so the tile sizes are always Python ints."""
     NP = 1
     while dstate > NP:
@@ -116,20 +119,21 @@ def _plan(
         state, x, dt, A, B, C, D, z, dt_bias, idx
     )
     NP, BD, num_warps = block(dstate)
-    ints = (
+    values = (
         dim, dstate, nheads // ngroups, state.shape[0],
         *heads_strides(state, x, dt, A, B, C, D, z, dt_bias), 0 if idx is None else idx.stride(0),
         nheads * dim, dim, 1,  # out: fresh and contiguous, in either form
     )  # fmt: skip
+    scalars = dict(zip(_SCALARS, values, strict=True))
     options = dict(
         NP=NP, BD=BD,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None,
-        SOFTPLUS=dt_softplus, HAS_IDX=idx is not None, ACC=_tl_dtype(cdt),
-        FAST=_fast_math(x, cdt), num_warps=num_warps,
+        SOFTPLUS=dt_softplus, HAS_IDX=idx is not None, ACC=tl_dtype(cdt),
+        FAST=fast_math(x, cdt), num_warps=num_warps,
     )  # fmt: skip
     # Batch rows share the first axis with the blocks of channels (common.block_and_sequence):
     # the other axes allow 65535 programs, fewer than a batch may have rows.
-    return (cdiv(dim, BD) * batch, nheads, 1), ints, options
+    return (cdiv(dim, BD) * batch, nheads, 1), scalars, options
 
 
 def _new_out(state: Tensor, x: Tensor) -> Tensor:
@@ -152,12 +156,13 @@ def state_update(
     """Triton decode step, the body of ``selective_scan::state_update_triton``: updates state in
     place and returns out (x's dtype, the state's form); see ``selective_state_update``.
     Traceable: the kernel goes through ``wrap_triton``."""
-    grid, ints, options = _plan(
+    grid, scalars, options = _plan(
         state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices
     )
-    tensors = (state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
     out = _new_out(state, x)
-    wrap_triton(_state_update_kernel)[grid](*tensors, out, *ints, **options)
+    tensors = (state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, out)
+    wrap_triton(_state_update_kernel)[grid](**dict(zip(_TENSORS, tensors, strict=True)),
+                                            **scalars, **options)  # fmt: skip
     return out
 
 
@@ -196,5 +201,5 @@ def state_update_eager(*args) -> Tensor:
             _PLANS.clear()
         _PLANS[key] = launcher
     out = _new_out(tensors[0], tensors[1])
-    launcher(*tensors, out)
+    launcher(dict(zip(_TENSORS, (*tensors, out), strict=True)))
     return out
