@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from ..models import MambaLMHeadModel
+from . import device_from
 from .copying_task import MARKER, SelectiveCopying, as_text
 from .copying_train import PRESETS, Settings, build_model, train
 from .demo import time_call
@@ -346,7 +347,7 @@ def find_failures(table: Sequence[Row], answers: dict[str, Tensor], min_accuracy
 def run(args: argparse.Namespace, out: TextIO) -> list[str]:
     """The whole job, reporting to out; returns the failed checks (none: success)."""
     start = time.perf_counter()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = device_from(args.device)
     settings = settings_from(args, device)
     task = SelectiveCopying(settings.context_len, settings.num_data, settings.num_symbols)
     out_dir = Path(args.out)

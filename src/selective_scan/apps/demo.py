@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .. import selective_scan_fn, selective_scan_ref
+from . import device_from
 
 # Bounds on the relative error ||actual - reference|| / ||reference|| (the worst over every
 # output or gradient) by input dtype. Float32 runs measure about 1e-6; the low-precision bounds
@@ -268,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Torch 2.13's CPU build may compute the first float32 exp of a process inexactly on the
     # second thread; a tiny single-threaded exp first avoids it (see the project's notes).
     torch.exp(torch.zeros(1))
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = device_from(args.device)
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     print(
         f"selective_scan demo: batch {args.batch}, dim {args.dim}, dstate {args.dstate}, "
