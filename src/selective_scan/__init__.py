@@ -8,6 +8,8 @@ signatures (and causal_conv1d_varlen_fn for packed sequences).
 Face transformers' Mamba fast path to these functions.
 """
 
+import torch
+
 from .conv import causal_conv1d_fn, causal_conv1d_update, causal_conv1d_varlen_fn
 from .interface import selective_scan_fn
 from .mamba_inner import mamba_inner_fn
@@ -28,3 +30,8 @@ __all__ = [
     "selective_state_update",
 ]
 __version__ = "0.1.0"
+
+if torch.distributed.is_available():
+    # Registers the ops' DTensor sharding rules, so that the public functions take DTensors
+    # (about 30 ms; torch.distributed.tensor is loaded by torch.library already).
+    from . import distributed  # noqa: F401
