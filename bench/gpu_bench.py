@@ -168,8 +168,8 @@ def bench_shape(shape: str, seqlen=None, compiled=None) -> dict:
 
 
 def warm_shape(shape: str) -> None:
-    """Compile (Triton, Inductor) what bench_shape runs, untimed: one process a shape warms
-    the caches in parallel before the timed run (scripts/gpu_run.sh)."""
+    """Compile (Triton, Inductor) what bench_shape runs, untimed (--warm): processes of one
+    shape each can fill the caches in parallel before a timed run."""
     x = make_bench_inputs(shape)
     out, _, ckpt = fwd_op(x)
     bwd_op(x, torch.randn_like(out), ckpt)
