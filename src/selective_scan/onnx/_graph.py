@@ -25,7 +25,6 @@ op = onnxscript.opset18
 FLOAT = ir.DataType.FLOAT
 DOUBLE = ir.DataType.DOUBLE
 INT64 = ir.DataType.INT64
-BOOL = ir.DataType.BOOL
 
 _names = itertools.count()
 
@@ -42,11 +41,8 @@ def ints(op: Any, *values: int) -> ir.Value:
 
 
 def dim(op: Any, x: ir.Value, axis: int) -> ir.Value:
-    """x.shape[axis] as a 1-D int64 tensor of one element (dynamic sizes)."""
-    end = axis + 1 if axis != -1 else None
-    if end is None:
-        return op.Shape(x, start=axis)
-    return op.Shape(x, start=axis, end=end)
+    """x.shape[axis] (axis >= 0) as a 1-D int64 tensor of one element (dynamic sizes)."""
+    return op.Shape(x, start=axis, end=axis + 1)
 
 
 def slice_(op: Any, x: ir.Value, start: int, end: int, axis: int = 0) -> ir.Value:
@@ -94,6 +90,7 @@ def softplus(op: Any, x: ir.Value, dtype: ir.DataType) -> ir.Value:
 
 
 def silu(op: Any, x: ir.Value) -> ir.Value:
+    """x * sigmoid(x)."""
     return op.Mul(x, op.Sigmoid(x))
 
 
@@ -128,10 +125,13 @@ def build_body(
     return graph
 
 
-def multi_output(first: ir.Value, count: int, types: Sequence[tuple[ir.DataType, Any]]):
+def multi_output(
+    first: ir.Value, count: int, types: Sequence[tuple[ir.DataType, Any]]
+) -> list[ir.Value]:
     """All outputs of a variadic-output node (Scan, Loop) given its first one.
 
-    The recorder sizes a node's outputs from its schema, one for a variadic output; the node is
+    The exporter's recorder sizes a node's outputs from its schema, one for a variadic output
+    (it does not count a Scan body's outputs as onnxscript's own evaluator does); the node is
     resized to ``count`` outputs and each output typed from ``types`` ((dtype, shape) pairs)
     so that later ops can bind their type constraints."""
     node = first.producer()

@@ -1,20 +1,14 @@
-"""ONNX translation of the decode step (``state_update`` and ``state_update_triton``).
+"""ONNX translation of the decode step, as values: (out, the new state).
 
-Both operators write into ``state``. Before translating, the exporter functionalizes the graph:
-a call of a mutating operator becomes a call of the higher-order operator
-``auto_functionalized_v2`` (``auto_functionalized`` in older graphs), which takes the operator
-and its arguments and returns the operator's outputs followed by the new values of the
-mutated tensors. Those higher-order calls are what is translated here: out and the new state
-are computed as values, with no mutation left in the ONNX graph.
+``state_update`` and ``state_update_triton`` write into ``state``; ``functional.prepare``
+replaces their calls by ``selective_scan_onnx::state_update_values``, which this translates.
+Same arithmetic as ``state_update._state_update_torch``: float32 (float64 when an input is),
+the new state rounded to state's dtype after out is computed from it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import onnx_ir as ir
-import torch
 
 from ._graph import INT64, cast, const, float_dtype, ints, op, silu, softplus, static_size
 
@@ -114,64 +108,3 @@ def state_update(
         out = op.Squeeze(out, ints(op, 1))
         new_slots = op.Squeeze(new_slots, ints(op, 1))
     return out, new_slots
-
-
-def _state_update_ops() -> set:
-    """The mutating step operators this module translates (the Triton one where registered)."""
-    from .. import state_update as module  # registers the operators
-
-    found = {torch.ops.selective_scan.state_update.default}
-    if module.state_update_triton is not None:
-        found.add(torch.ops.selective_scan.state_update_triton.default)
-    return found
-
-
-def _view_of_base(base: ir.Value, kwargs: dict[str, Any], prefix: str):
-    """(the mutated argument read from its base, a function writing a new value of it back
-    into the base), from auto_functionalized's view information for that argument."""
-    if f"{prefix}_storage_offset" in kwargs:
-        raise NotImplementedError(
-            "selective_scan.onnx: the decode step's state is a strided view of another tensor "
-            "(as_strided); pass the state tensor itself, or a slice along one dimension"
-        )
-    if f"{prefix}_slice_dim" in kwargs:
-        axis = kwargs[f"{prefix}_slice_dim"]
-        start, end = kwargs[f"{prefix}_slice_start"], kwargs[f"{prefix}_slice_end"]
-        if not all(isinstance(v, int) for v in (axis, start, end)):
-            raise NotImplementedError(
-                "selective_scan.onnx: the decode step's state is a slice of another tensor "
-                "with bounds that vary with the inputs; pass the state tensor itself"
-            )
-        bounds = (ints(op, start), ints(op, end), ints(op, axis))
-        size = static_size(base, axis, "the sliced dimension of the state's base")
-        view = op.Slice(base, *bounds)
-
-        def write(new: ir.Value) -> ir.Value:
-            parts = [op.Slice(base, ints(op, 0), ints(op, start), ints(op, axis)), new]
-            if end < size:
-                parts.append(op.Slice(base, ints(op, end), ints(op, size), ints(op, axis)))
-            return op.Concat(*parts, axis=axis)
-
-        return view, write
-    return base, lambda new: new  # the base itself, or an alias of it
-
-
-def auto_functionalized(target: torch._ops.OpOverload, /, **kwargs: Any) -> Sequence[ir.Value]:
-    """The functionalized call of a mutating operator: (out, new state) for the decode step.
-
-    Translates ``auto_functionalized_v2`` (the state passed as ``_all_bases`` and view
-    information) and ``auto_functionalized`` (the state passed by name)."""
-    if target not in _state_update_ops():
-        raise NotImplementedError(
-            f"selective_scan.onnx: no ONNX translation for the mutating operator {target}"
-        )
-    step_args = {k: v for k, v in kwargs.items() if not k.startswith("_")}
-    if "_all_bases" not in kwargs:  # auto_functionalized: the state is an argument
-        out, new_state = state_update(**step_args)
-        return [out, new_state]
-    bases = list(kwargs["_all_bases"])
-    index = kwargs["_state_base_index"]
-    state, write = _view_of_base(bases[index], kwargs, "_state")
-    out, new_state = state_update(state, **step_args)
-    bases[index] = write(new_state)
-    return [out, *bases]
