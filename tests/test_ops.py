@@ -1,5 +1,9 @@
 """The registered operators themselves: torch.library.opcheck, fake vs real outputs, aliasing."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers import SCAN_INPUTS, RecordOps, make_inputs
@@ -241,3 +245,23 @@ def test_eager_backward_skips_the_op(backend, monkeypatch):
     assert len(calls) == 1 and bwd_op._opoverload in mode.ops
     for a, b in zip(direct, via_op, strict=True):
         assert torch.equal(a, b)
+
+
+def test_package_works_without_triton():
+    """The CPU wheel of torch ships no triton, and the main job installs none: importing the
+    package, the public functions and their ops must not need it (a fresh process in which
+    `import triton` fails)."""
+    script = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, selective_scan\n"
+        "from selective_scan import ops, selective_scan_fn\n"
+        "assert not ops.HAS_TRITON\n"
+        "u = torch.randn(1, 4, 8)\n"
+        "out = selective_scan_fn(u, torch.rand(1, 4, 8), -torch.rand(4, 2), torch.randn(1, 2, 8),"
+        " torch.randn(1, 2, 8))\n"
+        "print(tuple(out.shape))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=env, timeout=300)  # fmt: skip
+    assert result.returncode == 0 and result.stdout.strip() == "(1, 4, 8)", result.stderr[-2000:]

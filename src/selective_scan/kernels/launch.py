@@ -24,7 +24,6 @@ import os
 from collections.abc import Iterator
 
 import torch
-import triton.language as tl
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch.library import wrap_triton
@@ -77,6 +76,8 @@ def is_plain_eager(tensors) -> bool:
 def runtime_params(kernel) -> tuple[str, ...]:
     """The names of a JIT kernel's parameters that are not constexprs, in order (for a JIT
     function and for the interpreter's wrapper alike)."""
+    import triton.language as tl  # this module loads where triton is missing too
+
     params = inspect.signature(kernel.fn).parameters.values()
     return tuple(p.name for p in params if p.annotation not in (tl.constexpr, "tl.constexpr"))
 
