@@ -136,7 +136,9 @@ def _rows(n):
         (dict(checkpoint_lvl=2), ValueError, r"checkpoint_lvl must be 0 or 1, got 2"),
         (dict(checkpoint_lvl=True), ValueError, r"checkpoint_lvl must be 0 or 1, got True"),
         (dict(delta_softplus="no"), TypeError, r"delta_softplus must be a bool, got str"),
-        (dict(A=torch.randn(D_INNER, DSTATE, dtype=torch.complex64)), ValueError, r"complex A"),
+        # Complex A: B and C from x_proj take 2 * dstate columns each (parts side by side).
+        (dict(A=torch.randn(D_INNER, DSTATE, dtype=torch.complex64)), ValueError,
+         rf"x_proj_weight must have shape .* = \({RANK + 4 * DSTATE}, {D_INNER}\)"),
         (dict(A=None), TypeError, r"A must be a torch\.Tensor"),
         (dict(B=torch.randn(D_INNER, DSTATE), b_rms_weight=torch.ones(DSTATE)), ValueError,
          r"needs B=None"),

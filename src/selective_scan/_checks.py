@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_COMPLEX_DTYPES = (torch.complex64, torch.complex128)
 
 
 def _shape(t: Tensor) -> tuple:
@@ -96,14 +97,19 @@ def check_dims(name: str, t: Tensor, expected: tuple, labels: str) -> None:
             )
 
 
-def _check_bc(name: str, t: Tensor, batch, dim, dstate, seqlen, device) -> None:
+def _check_bc(name: str, t: Tensor, batch, dim, dstate, seqlen, device, complex_a) -> None:
     """B and C: constant (dim, dstate), variable (batch, dstate, seqlen) or grouped
-    (batch, groups, dstate, seqlen) with groups dividing dim."""
-    check_tensor(name, t, (2, 3, 4), device=device)
+    (batch, groups, dstate, seqlen) with groups dividing dim. With complex A, as in mamba_ssm:
+    a constant one is complex, a variable one real with real and imaginary parts interleaved
+    along time, (batch, [groups,] dstate, 2 * seqlen)."""
+    constant_complex = complex_a and isinstance(t, Tensor) and t.dim() == 2
+    dtypes = _COMPLEX_DTYPES if constant_complex else _FLOAT_DTYPES
+    check_tensor(name, t, (2, 3, 4), dtypes=dtypes, device=device)
+    steps, label = (2 * seqlen, "2 * seqlen") if complex_a else (seqlen, "seqlen")
     forms = {
         2: ((dim, dstate), "(dim, dstate)"),
-        3: ((batch, dstate, seqlen), "(batch, dstate, seqlen)"),
-        4: ((batch, None, dstate, seqlen), "(batch, groups, dstate, seqlen)"),
+        3: ((batch, dstate, steps), f"(batch, dstate, {label})"),
+        4: ((batch, None, dstate, steps), f"(batch, groups, dstate, {label})"),
     }
     expected, labels = forms[t.dim()]
     check_dims(name, t, expected, labels)
@@ -128,10 +134,10 @@ def _dim_mismatch(u: Tensor, A: Tensor) -> str:
 def check_scan_inputs(args: ScanArgs) -> None:
     """Validate the arguments of the selective scan; raise a clear error naming the argument.
 
-    u, delta, z: (batch, dim, seqlen); A: (dim, dstate); B, C: (dim, dstate),
-    (batch, dstate, seqlen) or (batch, groups, dstate, seqlen); D, delta_bias: (dim,);
-    initial_state: (batch, dim, dstate), or (num_seqs, dim, dstate) with
-    cu_seqlens: (num_seqs + 1,) int32/int64 (batch must be 1).
+    u, delta, z: (batch, dim, seqlen); A: (dim, dstate), real or complex; B, C: (dim, dstate),
+    (batch, dstate, seqlen) or (batch, groups, dstate, seqlen) (complex A: see _check_bc);
+    D, delta_bias: (dim,); initial_state: (batch, dim, dstate), complex with complex A, or
+    (num_seqs, dim, dstate) with cu_seqlens: (num_seqs + 1,) int32/int64 (batch must be 1).
     """
     u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens = args.tensors
     check_tensor("u", u, (3,))
@@ -142,14 +148,15 @@ def check_scan_inputs(args: ScanArgs) -> None:
             size >= 1,
             lambda: f"selective_scan: u must be non-empty (batch, dim, seqlen), got {_shape(u)}",
         )
-    check_tensor("A", A, (2,), device=device)
+    check_tensor("A", A, (2,), dtypes=_FLOAT_DTYPES + _COMPLEX_DTYPES, device=device)
+    complex_a = A.is_complex()
     dstate = A.shape[1]
     check_size(A.shape[0] == dim, lambda: _dim_mismatch(u, A))
     check_tensor("delta", delta, (3,), device=device)
     check_dims("delta", delta, (batch, dim, seqlen), "(batch, dim, seqlen)")
     check_size(dstate >= 1, lambda: f"selective_scan: A must have dstate >= 1, got {_shape(A)}")
-    _check_bc("B", B, batch, dim, dstate, seqlen, device)
-    _check_bc("C", C, batch, dim, dstate, seqlen, device)
+    _check_bc("B", B, batch, dim, dstate, seqlen, device, complex_a)
+    _check_bc("C", C, batch, dim, dstate, seqlen, device, complex_a)
     for name, t in (("D", D), ("delta_bias", delta_bias)):
         if t is not None:
             check_tensor(name, t, (1,), device=device)
@@ -175,8 +182,13 @@ def check_scan_inputs(args: ScanArgs) -> None:
             ),
         )
         num_states = cu_seqlens.shape[0] - 1
+        if complex_a:
+            raise ValueError(
+                "selective_scan: complex A with cu_seqlens (packed sequences) is not supported"
+            )
     if initial_state is not None:
-        check_tensor("initial_state", initial_state, (3,), device=device)
+        state_dtypes = _COMPLEX_DTYPES if complex_a else _FLOAT_DTYPES
+        check_tensor("initial_state", initial_state, (3,), dtypes=state_dtypes, device=device)
         labels = "(num_seqs, dim, dstate)" if cu_seqlens is not None else "(batch, dim, dstate)"
         check_dims("initial_state", initial_state, (num_states, dim, dstate), labels)
 
@@ -199,7 +211,8 @@ def check_scan_grads(
     check_tensor("dout", dout, (3,), device=device)
     check_dims("dout", dout, (batch, dim, seqlen), "(batch, dim, seqlen)")
     if dlast_state is not None:
-        check_tensor("dlast_state", dlast_state, (3,), device=device)
+        state_dtypes = _COMPLEX_DTYPES if args.A.is_complex() else _FLOAT_DTYPES
+        check_tensor("dlast_state", dlast_state, (3,), dtypes=state_dtypes, device=device)
         packed = args.cu_seqlens is not None
         labels = "(num_seqs, dim, dstate)" if packed else "(batch, dim, dstate)"
         check_dims("dlast_state", dlast_state, (args.num_states, dim, dstate), labels)
@@ -230,10 +243,19 @@ def checkpoint_slots(seqlen, interval: int):
 
 
 def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
-    """float64 when any input is float64 (so gradcheck runs through the op), else float32."""
-    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+    """float64 when any input is float64 or complex128 (so gradcheck runs through the op), else
+    float32. Complex states are in the complex dtype of this (state_dtype)."""
+    wide = (torch.float64, torch.complex128)
+    if any(t is not None and t.dtype in wide for t in tensors):
         return torch.float64
     return torch.float32
+
+
+def state_dtype(A: Tensor, cdt: torch.dtype) -> torch.dtype:
+    """The dtype of states (last_state, checkpoints): cdt, or its complex dtype for complex A."""
+    if not A.is_complex():
+        return cdt
+    return torch.complex128 if cdt == torch.float64 else torch.complex64
 
 
 def check_non_empty(fn: str, name: str, t: Tensor, labels: str) -> None:

@@ -24,12 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import complex_scan
 from ._checks import (
     check_cu_seqlens_values,
     check_scan_grads,
     check_scan_inputs,
     checkpoint_slots,
     compute_dtype,
+    state_dtype,
 )
 from .scan_args import ScanArgs
 
@@ -304,8 +306,11 @@ def scan_fwd(
     """Forward scan. Returns out (batch, dim, seqlen) in u's dtype, last_state (batch or
     num_seqs, dim, dstate) and checkpoints (batch, dim, num_chunks(seqlen) + 1, dstate), the state
     entering each chunk; both float32 (float64 when any input is)."""
-    p = _Problem(ScanArgs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens,
-                          delta_softplus))  # fmt: skip
+    args = ScanArgs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus)
+    if A.is_complex():
+        check_scan_inputs(args)
+        return complex_scan.scan_fwd(args, CHUNK)
+    p = _Problem(args)
     batch, dim, dstate, cdt = p.batch, p.dim, p.dstate, p.cdt
     y = torch.empty_like(p.u)  # (batch, seqlen, dim)
     checkpoints = u.new_empty((batch, dim, checkpoint_slots(p.seqlen, CHUNK), dstate), dtype=cdt)
@@ -363,6 +368,11 @@ def scan_bwd(
     Returns (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state), each in its input's
     dtype and shape; the gradients of absent optional inputs are empty tensors."""
     args = ScanArgs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus)
+    if A.is_complex():
+        check_scan_inputs(args)
+        sdt = state_dtype(A, compute_dtype(*args.floats))
+        check_scan_grads(dout, dlast_state, checkpoints, args, CHUNK, sdt)
+        return complex_scan.scan_bwd(dout, dlast_state, args)
     p = _Problem(args)
     batch, dim, dstate, cdt = p.batch, p.dim, p.dstate, p.cdt
     check_scan_grads(dout, dlast_state, checkpoints, args, CHUNK, cdt)

@@ -38,18 +38,20 @@ def use_triton(u: Tensor) -> bool:
     return True
 
 
-def scan_ops(u: Tensor):
-    """(forward op, backward op) of the backend chosen for ``u``."""
-    if use_triton(u):
+def scan_ops(u: Tensor, A: Tensor | None = None):
+    """(forward op, backward op) of the backend chosen for ``u``; the PyTorch ops for complex
+    ``A`` on every device (the Triton kernels are real-valued)."""
+    complex_a = isinstance(A, Tensor) and A.is_complex()
+    if not complex_a and use_triton(u):
         return ops.triton_ops()
     return ops.scan_fwd, ops.scan_bwd
 
 
-def _forward(u: Tensor, inputs: tuple):
-    """The forward op of ``u``'s backend, or its implementation where calling that directly is
-    the same (``kernels.launch.direct_call_ok``: plain eager, nothing to differentiate): an
+def _forward(inputs: tuple):
+    """The forward op of the inputs' backend, or its implementation where calling that directly
+    is the same (``kernels.launch.direct_call_ok``: plain eager, nothing to differentiate): an
     eager call of a small scan then skips the dispatcher's host time (design §1.5)."""
-    fwd, _ = scan_ops(u)
+    fwd, _ = scan_ops(inputs[0], inputs[2])
     return ops.FORWARD_IMPLEMENTATIONS[fwd] if direct_call_ok(inputs) else fwd
 
 
@@ -77,6 +79,11 @@ def selective_scan_fn(
     h_t = exp(delta_t * A) * h_{t-1} + delta_t * B_t * u_t;  y_t = sum_n C_t h_t + D * u_t;
     out = y * silu(z). Arithmetic in float32 (float64 for float64 inputs).
 
+    Complex A (complex64/complex128, as in mamba_ssm): constant B/C complex (dim, dstate),
+    variable B/C real with real and imaginary parts interleaved along time, (batch, [groups,]
+    dstate, 2 * seqlen); y = 2 Re(sum_n C h) + D u; last_state complex. It runs on the PyTorch
+    ops on every device (not with cu_seqlens).
+
     Returns out (batch, dim, seqlen) in u's dtype, and with return_last_state also
     last_state (batch, dim, dstate) float32, whose gradient is propagated when used.
 
@@ -89,5 +96,5 @@ def selective_scan_fn(
     check_flag("selective_scan_fn", "delta_softplus", delta_softplus)
     check_flag("selective_scan_fn", "return_last_state", return_last_state)
     inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
-    out, last_state, _ = _forward(u, inputs)(*inputs, delta_softplus)
+    out, last_state, _ = _forward(inputs)(*inputs, delta_softplus)
     return (out, last_state) if return_last_state else out

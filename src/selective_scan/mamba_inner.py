@@ -25,7 +25,14 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from ._checks import check_flag, check_non_empty, check_shape, check_tensor
+from ._checks import (
+    _COMPLEX_DTYPES,
+    _FLOAT_DTYPES,
+    check_flag,
+    check_non_empty,
+    check_shape,
+    check_tensor,
+)
 from .conv import causal_conv1d_fn
 from .interface import selective_scan_fn
 
@@ -50,12 +57,28 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (xf * weight.float()).to(x.dtype)
 
 
+def _bc_columns(A: Tensor) -> int:
+    """x_proj's columns for a variable B or C: dstate, or 2 * dstate for complex A (a state's
+    real and imaginary parts side by side, as mamba_ssm lays them out)."""
+    return A.shape[-1] * (2 if A.is_complex() else 1)
+
+
+def _time_major(t: Tensor, A: Tensor) -> Tensor:
+    """A variable B or C from x_proj, (batch, seqlen, columns), as the scan takes it: (batch,
+    dstate, seqlen), or for complex A (batch, dstate, 2 * seqlen) with the parts interleaved
+    along time (mamba_ssm's "(dstate two) -> dstate (l two)")."""
+    if not A.is_complex():
+        return t.transpose(1, 2)
+    batch, seqlen, _ = t.shape
+    return t.unflatten(-1, (-1, 2)).permute(0, 2, 1, 3).reshape(batch, -1, 2 * seqlen)
+
+
 def _conv_and_scan(
     x, z, conv_weight, conv_bias, x_proj_weight, delta_proj_weight, A, B, C, D, delta_bias,
     B_proj_bias, C_proj_bias, b_rms_weight, c_rms_weight, dt_rms_weight, eps, delta_softplus,
 ):  # fmt: skip
     """The checkpointed region: conv, projections and the scan; returns y (batch, dim, seqlen)."""
-    dstate = A.shape[-1]
+    dstate = _bc_columns(A)
     delta_rank = delta_proj_weight.shape[1]
     x = causal_conv1d_fn(x, conv_weight, conv_bias, activation="silu")
     # Per-token projections in (batch, seqlen, features) layout; the transposes back to
@@ -70,14 +93,14 @@ def _conv_and_scan(
             B = B + B_proj_bias.to(B.dtype)
         if b_rms_weight is not None:
             B = _rms_norm(B, b_rms_weight, eps)
-        B = B.transpose(1, 2)
+        B = _time_major(B, A)
     if C is None:  # variable C: the last dstate columns
         C = x_dbl[..., x_dbl.shape[-1] - dstate :]
         if C_proj_bias is not None:
             C = C + C_proj_bias.to(C.dtype)
         if c_rms_weight is not None:
             C = _rms_norm(C, c_rms_weight, eps)
-        C = C.transpose(1, 2)
+        C = _time_major(C, A)
     return selective_scan_fn(
         x, delta.transpose(1, 2), A, B, C, D, z, delta_bias, delta_softplus=delta_softplus
     )
@@ -94,11 +117,9 @@ def _check_inner_inputs(
     d_inner = xz.shape[1] // 2
     check_shape(fn, "xz", xz, (None, 2 * d_inner, None), "(batch, 2 * d_inner, seqlen)")
     check_non_empty(fn, "xz", xz, "(batch, 2 * d_inner, seqlen)")
-    if isinstance(A, Tensor) and A.is_complex():
-        raise ValueError(f"{fn}: complex A is not supported (A must be real)")
     device = xz.device
-    check_tensor("A", A, (2,), device=device, ref="xz")
-    dstate = A.shape[1]
+    check_tensor("A", A, (2,), dtypes=_FLOAT_DTYPES + _COMPLEX_DTYPES, device=device, ref="xz")
+    dstate = _bc_columns(A)
     check_tensor("delta_proj_weight", delta_proj_weight, (2,), device=device, ref="xz")
     rank = delta_proj_weight.shape[1]
     check_shape(fn, "delta_proj_weight", delta_proj_weight, (d_inner, None), "(d_inner, rank)")
@@ -114,7 +135,8 @@ def _check_inner_inputs(
         ("conv1d_weight", conv1d_weight, (d_inner, 1, None), "(d_inner, 1, width)"),
         ("conv1d_bias", conv1d_bias, (d_inner,), "(d_inner,)"),
         ("x_proj_weight", x_proj_weight, (rows, d_inner),
-         "(rank + dstate [B from x_proj] + dstate [C from x_proj], d_inner)"),
+         "(rank + dstate [B from x_proj] + dstate [C from x_proj], d_inner), dstate doubled "
+         "for complex A"),
         ("out_proj_weight", out_proj_weight, (None, d_inner), "(d_model, d_inner)"),
         ("B_proj_bias", B_proj_bias, (dstate,), "(dstate,)"),
         ("C_proj_bias", C_proj_bias, (dstate,), "(dstate,)"),

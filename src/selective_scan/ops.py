@@ -23,7 +23,13 @@ from __future__ import annotations
 import torch
 
 from . import cpu
-from ._checks import check_scan_grads, check_scan_inputs, checkpoint_slots, compute_dtype
+from ._checks import (
+    check_scan_grads,
+    check_scan_inputs,
+    checkpoint_slots,
+    compute_dtype,
+    state_dtype,
+)
 from .kernels.launch import direct_call_ok
 from .scan_args import ScanArgs
 
@@ -34,13 +40,13 @@ def fwd_fake(chunk: int):
     def fake(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens, delta_softplus):
         args = ScanArgs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
         check_scan_inputs(args)
-        cdt = compute_dtype(*args.floats)
+        sdt = state_dtype(A, compute_dtype(*args.floats))
         batch, dim, seqlen = u.shape
         dstate = A.shape[1]
         return (
             u.new_empty(u.shape),
-            u.new_empty((args.num_states, dim, dstate), dtype=cdt),
-            u.new_empty((batch, dim, checkpoint_slots(seqlen, chunk), dstate), dtype=cdt),
+            u.new_empty((args.num_states, dim, dstate), dtype=sdt),
+            u.new_empty((batch, dim, checkpoint_slots(seqlen, chunk), dstate), dtype=sdt),
         )
 
     return fake
@@ -53,8 +59,8 @@ def bwd_fake(
     """Fake backward of the PyTorch family (checkpoints every cpu.CHUNK steps)."""
     args = ScanArgs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
     check_scan_inputs(args)
-    cdt = compute_dtype(*args.floats)
-    check_scan_grads(dout, dlast_state, checkpoints, args, cpu.CHUNK, cdt)
+    sdt = state_dtype(A, compute_dtype(*args.floats))
+    check_scan_grads(dout, dlast_state, checkpoints, args, cpu.CHUNK, sdt)
     return tuple(u.new_empty((0,)) if t is None else t.new_empty(t.shape) for t in args.floats)
 
 

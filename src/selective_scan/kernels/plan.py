@@ -90,6 +90,11 @@ class ScanPlan:
 
     def __init__(self, policy: TilePolicy, backward: bool, args: ScanArgs):
         check_scan_inputs(args)
+        if args.A.is_complex():
+            raise NotImplementedError(
+                "selective_scan: the Triton kernels take real A; complex A runs on the PyTorch "
+                "ops (torch.ops.selective_scan.scan_fwd), which selective_scan_fn picks for it"
+            )
         u, B, C = args.u, args.B, args.C
         self.policy = policy
         self.cdt = cdt = compute_dtype(*args.floats)
