@@ -36,10 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..conv import causal_conv1d_fn, causal_conv1d_update, causal_conv1d_varlen_fn
-from ..interface import selective_scan_fn
 from ..modules.mamba_simple import Mamba
-from ..state_update import selective_state_update
 
 
 def _local(t: Tensor | None) -> Tensor | None:
@@ -108,11 +105,9 @@ class TensorParallelMamba(Mamba):
     def _group(self) -> dist.ProcessGroup:
         return self.tp_mesh.get_group()
 
-    def _conv_weight(self) -> Tensor:
-        return _local(self.conv1d.weight)[:, 0]
-
-    def _A(self) -> Tensor:
-        return -torch.exp(_local(self.A_log).float())
+    def _param(self, t: Tensor | None) -> Tensor | None:
+        """This rank's shard of a parameter."""
+        return _local(t)
 
     def _in_proj(self, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
         """(x, z), this rank's channels: (..., d_inner / world) each."""
@@ -131,71 +126,9 @@ class TensorParallelMamba(Mamba):
         return out if bias is None else out + bias
 
     def _fast_forward(self, hidden_states: Tensor) -> Tensor:
+        # mamba_inner_fn reads whole parameters; the sharded layer runs the conv and the scan
+        # as separate ops on its channels (the conv output is kept for the backward).
         return self._forward_with_states(hidden_states, None, None)[0]
-
-    def _forward_with_states(
-        self,
-        hidden_states: Tensor,
-        cu_seqlens: Tensor | None,
-        initial_states: tuple[Tensor, Tensor] | None,
-    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        conv_state, ssm_state = self._initial_states(hidden_states, cu_seqlens, initial_states)
-        x, z = self._in_proj(hidden_states)
-        x, conv_state = self._conv(x.transpose(1, 2), conv_state, cu_seqlens)
-        dt, B, C = self._x_proj(x.transpose(1, 2))
-        y, ssm_state = selective_scan_fn(
-            x,
-            F.linear(dt, _local(self.dt_proj.weight)).transpose(1, 2),
-            self._A(),
-            B.transpose(1, 2),
-            C.transpose(1, 2),
-            _local(self.D).float(),
-            z.transpose(1, 2),
-            _local(self.dt_proj.bias).float(),
-            delta_softplus=True,
-            return_last_state=True,
-            initial_state=ssm_state,
-            cu_seqlens=cu_seqlens,
-        )
-        out = self._out_proj(y.transpose(1, 2))
-        final_states = (
-            conv_state.to(self.conv1d.weight.dtype),
-            ssm_state.to(self.dt_proj.weight.dtype),
-        )
-        return out, final_states
-
-    def _conv(
-        self, x: Tensor, conv_state: Tensor, cu_seqlens: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
-        weight, bias = self._conv_weight(), _local(self.conv1d.bias)
-        if cu_seqlens is not None:
-            return causal_conv1d_varlen_fn(
-                x, weight, bias, cu_seqlens=cu_seqlens, initial_states=conv_state,
-                return_final_states=True, activation=self.activation,
-            )  # fmt: skip
-        out = causal_conv1d_fn(
-            x, weight, bias, initial_states=conv_state[..., 1:], activation=self.activation
-        )
-        x_hist = torch.cat([conv_state.to(x.dtype), x], dim=-1)
-        return out, x_hist[..., x_hist.shape[-1] - self.d_conv :]
-
-    def step(
-        self, hidden_states: Tensor, conv_state: Tensor, ssm_state: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        """Advance one token: hidden_states (batch, 1, d_model), replicated, and this rank's
-        states (batch, d_inner / world, d_conv) and (batch, d_inner / world, d_state), updated
-        in place -> (out (batch, 1, d_model), conv_state, ssm_state)."""
-        self._check_hidden_states("Mamba.step", hidden_states, seqlen=1)
-        x, z = self._in_proj(hidden_states[:, 0])
-        x = causal_conv1d_update(
-            x, conv_state, self._conv_weight(), _local(self.conv1d.bias), self.activation
-        )
-        dt, B, C = self._x_proj(x)
-        y = selective_state_update(
-            ssm_state, x, F.linear(dt, _local(self.dt_proj.weight)), self._A(), B, C,
-            _local(self.D), z, dt_bias=_local(self.dt_proj.bias), dt_softplus=True,
-        )  # fmt: skip
-        return self._out_proj(y).unsqueeze(1), conv_state, ssm_state
 
 
 def _x_and_z_rows(weight: Tensor, rank: int, world: int) -> Tensor:

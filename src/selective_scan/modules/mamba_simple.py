@@ -117,10 +117,29 @@ class Mamba(nn.Module):
         bias._no_reinit = True  # model-level init must not zero this bias
 
     def _conv_weight(self) -> Tensor:
-        return self.conv1d.weight[:, 0]  # (d_inner, d_conv)
+        return self._param(self.conv1d.weight)[:, 0]  # (d_inner, d_conv)
 
     def _A(self) -> Tensor:
-        return -torch.exp(self.A_log.float())
+        return -torch.exp(self._param(self.A_log).float())
+
+    # What the state-carrying paths (prefill, forward with states, step) compute with; a
+    # tensor-parallel layer (distributed/tensor_parallel.py) replaces these with its shards'.
+
+    def _param(self, t: Tensor | None) -> Tensor | None:
+        """The tensor a parameter contributes to this layer's computation: itself."""
+        return t
+
+    def _in_proj(self, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
+        """(..., d_model) -> (x, z), (..., d_inner) each."""
+        return self.in_proj(hidden_states).chunk(2, dim=-1)
+
+    def _x_proj(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (..., d_inner) -> (dt (..., dt_rank), B, C (..., d_state))."""
+        return self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+
+    def _out_proj(self, y: Tensor) -> Tensor:
+        """(..., d_inner) -> (..., d_model)."""
+        return self.out_proj(y)
 
     def forward(
         self,
@@ -216,26 +235,24 @@ class Mamba(nn.Module):
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """The conv and the scan as separate ops, from given states (zeros when None)."""
         conv_state, ssm_state = self._initial_states(hidden_states, cu_seqlens, initial_states)
-        x, z = self.in_proj(hidden_states).transpose(1, 2).chunk(2, dim=1)
-        x, conv_state = self._conv(x, conv_state, cu_seqlens)
-        dt, B, C = self.x_proj(x.transpose(1, 2)).split(
-            [self.dt_rank, self.d_state, self.d_state], dim=-1
-        )
+        x, z = self._in_proj(hidden_states)  # (batch, seqlen, d_inner) each
+        x, conv_state = self._conv(x.transpose(1, 2), conv_state, cu_seqlens)
+        dt, B, C = self._x_proj(x.transpose(1, 2))
         y, ssm_state = selective_scan_fn(
             x,
-            F.linear(dt, self.dt_proj.weight).transpose(1, 2),
+            F.linear(dt, self._param(self.dt_proj.weight)).transpose(1, 2),
             self._A(),
             B.transpose(1, 2),
             C.transpose(1, 2),
-            self.D.float(),
-            z,
-            self.dt_proj.bias.float(),
+            self._param(self.D).float(),
+            z.transpose(1, 2),
+            self._param(self.dt_proj.bias).float(),
             delta_softplus=True,
             return_last_state=True,
             initial_state=ssm_state,
             cu_seqlens=cu_seqlens,
         )
-        out = self.out_proj(y.transpose(1, 2))
+        out = self._out_proj(y.transpose(1, 2))
         final_states = (
             conv_state.to(self.conv1d.weight.dtype),
             ssm_state.to(self.dt_proj.weight.dtype),
@@ -247,7 +264,7 @@ class Mamba(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """x: (batch, d_inner, seqlen) after conv_state (rows, d_inner, d_conv) ->
         (silu(conv1d(x)), the conv_state after x)."""
-        weight, bias = self._conv_weight(), self.conv1d.bias
+        weight, bias = self._conv_weight(), self._param(self.conv1d.bias)
         if cu_seqlens is not None:
             return causal_conv1d_varlen_fn(
                 x, weight, bias, cu_seqlens=cu_seqlens, initial_states=conv_state,
@@ -309,16 +326,16 @@ class Mamba(nn.Module):
         check_tensor("ssm_state", ssm_state, (3,), device=hidden_states.device, ref="hidden_states")
         rows = (hidden_states.shape[0], self.d_inner, self.d_state)
         check_shape(fn, "ssm_state", ssm_state, rows, "(batch, d_inner, d_state)")
-        x, z = self.in_proj(hidden_states[:, 0]).chunk(2, dim=-1)  # (batch, d_inner) each
+        x, z = self._in_proj(hidden_states[:, 0])  # (batch, d_inner) each
         x = causal_conv1d_update(
-            x, conv_state, self._conv_weight(), self.conv1d.bias, self.activation
+            x, conv_state, self._conv_weight(), self._param(self.conv1d.bias), self.activation
         )
-        dt, B, C = self.x_proj(x).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt, B, C = self._x_proj(x)
         y = selective_state_update(
-            ssm_state, x, F.linear(dt, self.dt_proj.weight), self._A(), B, C, self.D, z,
-            dt_bias=self.dt_proj.bias, dt_softplus=True,
+            ssm_state, x, F.linear(dt, self._param(self.dt_proj.weight)), self._A(), B, C,
+            self._param(self.D), z, dt_bias=self._param(self.dt_proj.bias), dt_softplus=True,
         )  # fmt: skip
-        return self.out_proj(y).unsqueeze(1), conv_state, ssm_state
+        return self._out_proj(y).unsqueeze(1), conv_state, ssm_state
 
     def allocate_inference_cache(
         self, batch_size: int, max_seqlen: int, dtype: torch.dtype | None = None, **kwargs
