@@ -652,7 +652,7 @@ def test_one_wave_cap(programs, T, NP, eager, capped):
     p = types.SimpleNamespace(cfg=dict(T=T), NP=NP, n_blocks=programs // 8, num_states=8,
                               n_ranges=1, policy=DEFAULT_POLICY.replace(sm_count=132))  # fmt: skip
     u = types.SimpleNamespace(is_cuda=True, device="cuda:0")
-    launchers = {} if eager else None  # the call's (see _Plan.direct)
+    launchers = {} if eager else None  # the call's (see ScanPlan.direct)
     assert scan.one_wave_cap(p, u, launchers) == ({"maxnreg": 168} if capped else {})
 
 

@@ -51,7 +51,7 @@ def scan_fwd(args: ScanArgs, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
             delta_softplus=args.delta_softplus, return_last_state=True, initial_state=h,
         )  # fmt: skip
         out[..., t0:t1] = piece
-    return out, h.clone(), ckpt
+    return out, h, ckpt
 
 
 def _bc_grad(g: Tensor, t: Tensor) -> Tensor:

@@ -21,7 +21,7 @@ import contextlib
 import contextvars
 import inspect
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor
@@ -91,7 +91,7 @@ class Launcher:
 
     __slots__ = ("_compiled", "_order", "grid", "kernel", "options", "scalars")
 
-    def __init__(self, kernel, grid: tuple, scalars: dict, options: dict):
+    def __init__(self, kernel, grid: tuple, scalars: Mapping, options: dict):
         self.kernel, self.grid, self.scalars, self.options = kernel, grid, scalars, options
         # (device, alignment of each tensor) -> (CompiledKernel.run, function, metadata, tail)
         self._compiled: dict[tuple, tuple] | None = {} if _direct_launches_work() else None
@@ -163,7 +163,7 @@ def recording(launch: bool = False) -> Iterator[list]:
         _RECORD.reset(token)
 
 
-def launch_kernel(launchers: dict | None, kernel, grid: tuple, tensors: dict, scalars: dict,
+def launch_kernel(launchers: dict | None, kernel, grid: tuple, tensors: dict, scalars: Mapping,
                   options: dict, key) -> None:  # fmt: skip
     """kernel[grid](**tensors, **scalars, **options): directly with ``launchers`` (a plan's
     Launchers, by ``key``, for plain eager calls on CUDA tensors), through wrap_triton when it is

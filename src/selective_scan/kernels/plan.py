@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import ChainMap
 
 import torch
 from torch import Tensor
@@ -243,7 +244,8 @@ class ScanPlan:
         variants = [(options["ALIGN"], grid)]
         if options["ALIGN"] == ALIGN_CHECKED:
             variants = checked_launches(grid, self.cfg["T"], align_sizes)
-        arguments = self.scalars | scalars
+        # A view of both, not a merged copy: a cached launcher reads neither (host time).
+        arguments = ChainMap(scalars, self.scalars)
         for align, part in variants:
             key = (kernel, part, tuple(scalars.values()), align, *flags.values())
             launch_kernel(launchers, kernel, part, tensors, arguments, options | {"ALIGN": align},
