@@ -197,22 +197,49 @@ def _record_direct_calls(monkeypatch) -> list:
 
 def test_eager_calls_without_grad_skip_the_op(backend, monkeypatch):
     """With nothing to differentiate, a plain eager call runs the forward's implementation
-    without the dispatcher, and gives the op's result bit for bit; an input that requires grad,
-    or a dispatch mode (tracing, FakeTensorMode, profiling modes), takes the op."""
+    without the dispatcher, and gives the op's result bit for bit; under a dispatch mode
+    (tracing, FakeTensorMode, profiling modes) it takes the op."""
 
     x = make_inputs(seqlen=33, initial_state=True)
     calls = _record_direct_calls(monkeypatch)
     with torch.no_grad():
         direct = selective_scan_fn(**x, delta_softplus=True, return_last_state=True)
     assert len(calls) == 1
-    via_op = selective_scan_fn(**(x | {"A": x["A"].clone().requires_grad_()}),
-                               delta_softplus=True, return_last_state=True)  # fmt: skip
     with torch.no_grad(), RecordOps() as mode:
         selective_scan_fn(**x, delta_softplus=True)
     assert len(calls) == 1
-    assert scan_ops(x["u"])[0]._opoverload in mode.ops
-    for a, b in zip(direct, via_op, strict=True):
-        assert torch.equal(a, b.detach())
+    fwd = scan_ops(x["u"])[0]
+    assert fwd._opoverload in mode.ops
+    via_op = fwd(*[x.get(k) for k in SCAN_INPUTS], True)
+    for a, b in zip(direct, via_op, strict=False):
+        assert torch.equal(a, b)
+
+
+def _grad_call(x: dict, names=("u", "delta", "A", "B", "D", "z", "delta_bias", "initial_state")):
+    """selective_scan_fn's out, last_state and gradients (from fixed cotangents) with the
+    inputs `names` as leaves, and the autograd node of its outputs."""
+    leaves = {k: x[k].clone().requires_grad_() for k in names}
+    out, last = selective_scan_fn(**(x | leaves), delta_softplus=True, return_last_state=True)
+    gen = torch.Generator().manual_seed(1)
+    cotangents = [torch.randn(t.shape, generator=gen).to(t) for t in (out, last)]
+    torch.autograd.backward((out, last), cotangents)
+    return [out.detach(), last.detach(), *[t.grad for t in leaves.values()]], out.grad_fn
+
+
+def test_eager_calls_with_grad_skip_the_dispatcher(backend):
+    """A plain eager call that records autograd runs the forward's implementation in an
+    autograd.Function of its own (ops.EAGER_FUNCTIONS), not through the op: same outputs and
+    gradients bit for bit as the op's registered autograd, which a dispatch mode still takes."""
+    x = make_inputs(seqlen=33, initial_state=True)
+    fwd = scan_ops(x["u"])[0]
+    eager, node = _grad_call(x)
+    assert type(node).__name__ == "EagerSelectiveScanBackward"
+    with RecordOps() as mode:
+        via_op, op_node = _grad_call(x)
+    assert fwd._opoverload in mode.ops
+    assert type(op_node).__name__ != "EagerSelectiveScanBackward"
+    for a, b in zip(eager, via_op, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_eager_backward_skips_the_op(backend, monkeypatch):

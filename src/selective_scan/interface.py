@@ -8,7 +8,7 @@ from torch import Tensor
 
 from . import ops
 from ._checks import check_flag
-from .kernels.launch import direct_call_ok
+from .kernels.launch import direct_call_ok, eager_autograd_ok
 
 _BACKENDS = ("auto", "triton", "torch")
 
@@ -48,11 +48,16 @@ def scan_ops(u: Tensor, A: Tensor | None = None):
 
 
 def _forward(inputs: tuple):
-    """The forward op of the inputs' backend, or its implementation where calling that directly
-    is the same (``kernels.launch.direct_call_ok``: plain eager, nothing to differentiate): an
-    eager call of a small scan then skips the dispatcher's host time (design §1.5)."""
+    """The forward op of the inputs' backend; in plain eager calls, what computes the same
+    without the dispatcher's host time, which short scans wait on (design §1.5): the op's
+    implementation where there is nothing to differentiate (``kernels.launch.direct_call_ok``),
+    else an autograd.Function with the op's backward (``ops.EAGER_FUNCTIONS``)."""
     fwd, _ = scan_ops(inputs[0], inputs[2])
-    return ops.FORWARD_IMPLEMENTATIONS[fwd] if direct_call_ok(inputs) else fwd
+    if direct_call_ok(inputs):
+        return ops.FORWARD_IMPLEMENTATIONS[fwd]
+    if eager_autograd_ok(inputs):
+        return ops.EAGER_FUNCTIONS[fwd].apply
+    return fwd
 
 
 def selective_scan_fn(

@@ -92,6 +92,23 @@ def _make_backward(bwd_op):
     return backward
 
 
+def _eager_function(fwd_impl, bwd_op) -> type[torch.autograd.Function]:
+    """An autograd.Function running a forward op's implementation and the op's own backward
+    (``_make_backward``), for plain eager calls that record autograd
+    (``kernels.launch.eager_autograd_ok``). It is the op's registered autograd without the
+    dispatcher's and torch.library's per-call host work around it (design §1.5): a round trip
+    through the dispatcher, the autograd wrapper's schema walks and a redispatch."""
+    return type(
+        "EagerSelectiveScan",
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(fwd_impl),
+            "setup_context": staticmethod(_setup_context),
+            "backward": staticmethod(_make_backward(bwd_op)),
+        },
+    )
+
+
 scan_fwd = torch.library.custom_op("selective_scan::scan_fwd", cpu.scan_fwd, mutates_args=())
 scan_bwd = torch.library.custom_op("selective_scan::scan_bwd", cpu.scan_bwd, mutates_args=())
 scan_fwd.register_fake(fwd_fake(cpu.CHUNK))
@@ -101,6 +118,8 @@ scan_fwd.register_autograd(_make_backward(scan_bwd), setup_context=_setup_contex
 # (interface.selective_scan_fn, the autograd backward).
 FORWARD_IMPLEMENTATIONS = {scan_fwd: cpu.scan_fwd}
 BACKWARD_IMPLEMENTATIONS = {scan_bwd: cpu.scan_bwd}
+# The autograd.Function each forward op's plain eager calls with gradients run instead.
+EAGER_FUNCTIONS = {scan_fwd: _eager_function(cpu.scan_fwd, scan_bwd)}
 
 
 def _register_triton():
@@ -118,6 +137,7 @@ def _register_triton():
     fwd.register_autograd(_make_backward(bwd), setup_context=_setup_context)
     FORWARD_IMPLEMENTATIONS[fwd] = triton_scan.scan_fwd
     BACKWARD_IMPLEMENTATIONS[bwd] = triton_scan.scan_bwd
+    EAGER_FUNCTIONS[fwd] = _eager_function(triton_scan.scan_fwd, bwd)
     return fwd, bwd
 
 

@@ -64,6 +64,16 @@ def direct_call_ok(tensors) -> bool:
     return True
 
 
+def eager_autograd_ok(tensors) -> bool:
+    """Whether an operator's forward implementation may run inside an autograd.Function of
+    its own instead of the operator (ops._eager_function): nothing traces or intercepts the call
+    and every tensor is a plain one. Autograd then records the same node the operator's
+    registered autograd would, minus the dispatcher's host time."""
+    if intercepted():
+        return False
+    return all(t is None or type(t) in PLAIN_TYPES for t in tensors)
+
+
 def is_plain_eager(tensors) -> bool:
     """Whether launching now is indistinguishable from what tracing would record: nothing
     intercepts calls and every tensor is a plain one. (Inside a triton_op's eager call this
