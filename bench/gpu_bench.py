@@ -32,6 +32,7 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import anchor
 from profile_kernels import per_kernel_us
 from report import guarded
 from shapes import ANCHORS_MS, FWD_ARGS, SHAPES, make_bench_inputs
@@ -94,20 +95,6 @@ def _public_fwd(x: dict):
     return selective_scan_fn(**{k: x[k] for k in PUBLIC_ARGS})
 
 
-def compiled_fwd(x: dict):
-    """_public_fwd under torch.compile(dynamic=True, fullgraph=True), compiled at x's sizes.
-    The forward's tiles follow the sizes of the example compiled (kernels/scan.py, config), so
-    each shape compiles its own: from a copy of the function's code (Dynamo keeps its graphs
-    by code object), with the compile caches off (their keys omit the sizes: a graph compiled
-    for another shape would be served). Compiling a function that returns the raw op's three
-    outputs failed in Inductor on 2026-11-29: KeyError 'op10'."""
-    own = types.FunctionType(_public_fwd.__code__.replace(), _public_fwd.__globals__)
-    fn = torch.compile(own, dynamic=True, fullgraph=True)
-    with torch._inductor.config.patch(force_disable_caches=True):
-        fn(x)
-    return fn
-
-
 def kernel_ms(fn, calls: int = 5) -> float:
     """GPU time per call summed over all kernels it launches (torch.profiler), without the
     host's share: what a CUDA-graph replay of the call would cost, launch gaps aside."""
@@ -124,8 +111,67 @@ def _timed(spent: dict, name: str, fn):
     return value
 
 
-def bench_shape(shape: str, seqlen=None, compiled=None) -> dict:
-    """The shape's figures; compiled: its forward compiled by compiled_fwd, or None."""
+def leaf_sets(sets: list[dict]) -> list[dict]:
+    """The public function's arguments from each input set, as leaves that require grad."""
+    return [leaf_args(x) for x in sets]
+
+
+def fwd_bwd_step(fn, leaves: dict, dout: torch.Tensor):
+    """A training step's share of the scan: fn(**leaves) forward, then backward from dout
+    through autograd, with the leaves' .grad reset first (as zero_grad(set_to_none=True)
+    leaves them, so the gradients are set, not accumulated)."""
+    for t in leaves.values():
+        if torch.is_tensor(t):
+            t.grad = None
+    fn(**leaves).backward(dout)
+
+
+def compiled_public(example: dict):
+    """selective_scan_fn under torch.compile(dynamic=True, fullgraph=True), compiled at the
+    example's sizes (leaves, leaf_args) for a forward alone and a forward + backward.
+    The tiles follow the sizes of the example compiled (kernels/tiles.py), so each shape
+    compiles its own: from a copy of the function's code (Dynamo keeps its graphs by code
+    object), with the compile caches off (their keys omit the sizes: a graph compiled for another
+    shape would be served)."""
+    own = types.FunctionType(_public_call.__code__.replace(), _public_call.__globals__)
+    fn = torch.compile(own, dynamic=True, fullgraph=True)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        fwd_bwd_step(fn, example, torch.randn_like(example["u"]))
+        _no_grad(fn, example)
+    return fn
+
+
+def _public_call(**kwargs):
+    return selective_scan_fn(**kwargs)
+
+
+def anchor_figures(module, sets: list[dict], douts: list[torch.Tensor]) -> dict:
+    """The anchor's forward, backward and forward + backward on the same inputs, timed like
+    ours (rotating sets); the recorded figures where the anchor is not built."""
+    if module is None:
+        return {"anchor_source": "recorded (../shared/anchors.md), not built in this process"}
+    args = [anchor.anchor_inputs(x) for x in sets]
+    saved = [anchor.forward(module, a) for a in args]
+    count = len(sets)
+
+    def bwd(i):
+        u, delta, A, B, C, D, z, bias, softplus = args[i]
+        _, x, out = saved[i]
+        module.bwd(u, delta, A, B, C, D, z, bias, douts[i], x, out, None, softplus, False)
+
+    return {
+        "anchor_source": "state-spaces/mamba selective_scan_cuda built and timed in this process",
+        "anchor_fwd_ms": time_rotating(lambda i: anchor.forward(module, args[i]), count),
+        "anchor_bwd_ms": time_rotating(bwd, count),
+        "anchor_fwd_bwd_ms": time_rotating(
+            lambda i: anchor.forward_backward(module, args[i], douts[i]), count
+        ),
+    }
+
+
+def bench_shape(shape: str, seqlen=None, compiled=None, anchor_module=None) -> dict:
+    """The shape's figures; compiled: selective_scan_fn compiled by compiled_public, or None;
+    anchor_module: the built anchor (anchor.build) or None."""
     dtype = SHAPES[shape][-1]
     spent = {}
     sets = _timed(spent, "inputs", lambda: input_sets(shape, seqlen=seqlen))
@@ -133,6 +179,7 @@ def bench_shape(shape: str, seqlen=None, compiled=None) -> dict:
     for x in sets:
         out, _, ckpt = fwd_op(x)
         saved.append((torch.randn_like(out), ckpt))
+    douts = [d for d, _ in saved]
 
     def bwd(i):
         return bwd_op(sets[i], *saved[i])
@@ -140,31 +187,55 @@ def bench_shape(shape: str, seqlen=None, compiled=None) -> dict:
     fwd_ms = _timed(spent, "fwd", lambda: time_rotating(lambda i: fwd_op(sets[i]), len(sets)))
     bwd_ms = _timed(spent, "bwd", lambda: time_rotating(bwd, len(sets)))
     result = {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms}
-    if seqlen is None:
-        result.update(
-            fwd_kernel_ms=_timed(
-                spent, "fwd_kernels", lambda: guarded(lambda: kernel_ms(lambda: fwd_op(sets[0])))
-            ),
-            bwd_kernel_ms=_timed(
-                spent, "bwd_kernels", lambda: guarded(lambda: kernel_ms(lambda: bwd(0)))
-            ),
-            fwd_public_ms=_timed(
-                spent, "public", lambda: time_rotating(lambda i: _public_fwd(sets[i]), len(sets))
+    if seqlen is not None:
+        result["wall_s"] = spent
+        return result
+    leaves = leaf_sets(sets)
+    result.update(
+        fwd_kernel_ms=_timed(
+            spent, "fwd_kernels", lambda: guarded(lambda: kernel_ms(lambda: fwd_op(sets[0])))
+        ),
+        bwd_kernel_ms=_timed(
+            spent, "bwd_kernels", lambda: guarded(lambda: kernel_ms(lambda: bwd(0)))
+        ),
+        fwd_public_ms=_timed(
+            spent, "public", lambda: time_rotating(lambda i: _public_fwd(sets[i]), len(sets))
+        ),
+        fwd_bwd_ms=_timed(spent, "fwd_bwd", lambda: time_rotating(
+            lambda i: fwd_bwd_step(selective_scan_fn, leaves[i], douts[i]), len(sets))),
+    )  # fmt: skip
+    if compiled is not None:
+        result["fwd_compiled_ms"] = _timed(
+            spent,
+            "compiled",
+            lambda: guarded(
+                lambda: time_rotating(lambda i: _no_grad(compiled, sets[i]), len(sets))
             ),
         )
-        if compiled is not None:
-            result["fwd_compiled_ms"] = _timed(spent, "compiled", lambda: guarded(
-                lambda: time_rotating(lambda i: compiled(sets[i]), len(sets))))  # fmt: skip
-        floor_f, floor_b = floors_ms(shape, dtype)
-        anchor_f, anchor_b = ANCHORS_MS[shape]
-        result.update(
-            anchor_fwd_ms=anchor_f, anchor_bwd_ms=anchor_b, floor_fwd_ms=floor_f,
-            floor_bwd_ms=floor_b, fwd_speedup=anchor_f / fwd_ms, bwd_speedup=anchor_b / bwd_ms,
-            fwd_floor_fraction=floor_f / fwd_ms, bwd_floor_fraction=floor_b / bwd_ms,
-            peak_mem_bytes=_timed(spent, "peak_memory", lambda: peak_memory(sets[0])),
-        )  # fmt: skip
+        result["fwd_bwd_compiled_ms"] = _timed(spent, "fwd_bwd_compiled", lambda: guarded(
+            lambda: time_rotating(lambda i: fwd_bwd_step(compiled, leaves[i], douts[i]),
+                                  len(sets))))  # fmt: skip
+    result.update(_timed(spent, "anchor", lambda: anchor_figures(anchor_module, sets, douts)))
+    floor_f, floor_b = floors_ms(shape, dtype)
+    recorded_f, recorded_b = ANCHORS_MS[shape]
+    anchor_f = result.get("anchor_fwd_ms", recorded_f)
+    anchor_b = result.get("anchor_bwd_ms", recorded_b)
+    anchor_fb = result.get("anchor_fwd_bwd_ms", recorded_f + recorded_b)
+    result.update(
+        recorded_anchor_fwd_ms=recorded_f, recorded_anchor_bwd_ms=recorded_b,
+        floor_fwd_ms=floor_f, floor_bwd_ms=floor_b,
+        fwd_speedup=anchor_f / result["fwd_public_ms"], bwd_speedup=anchor_b / bwd_ms,
+        fwd_bwd_speedup=anchor_fb / result["fwd_bwd_ms"],
+        fwd_floor_fraction=floor_f / fwd_ms, bwd_floor_fraction=floor_b / bwd_ms,
+        peak_mem_bytes=_timed(spent, "peak_memory", lambda: peak_memory(sets[0])),
+    )  # fmt: skip
     result["wall_s"] = spent
     return result
+
+
+def _no_grad(fn, x: dict):
+    with torch.no_grad():
+        return fn(**{k: x[k] for k in PUBLIC_ARGS})
 
 
 def warm_shape(shape: str) -> None:
@@ -174,7 +245,7 @@ def warm_shape(shape: str) -> None:
     out, _, ckpt = fwd_op(x)
     bwd_op(x, torch.randn_like(out), ckpt)
     _public_fwd(x)
-    compiled_fwd(x)
+    compiled_public(leaf_args(x))
     peak_memory(x)
     torch.cuda.synchronize()
 
@@ -388,6 +459,10 @@ def main() -> None:
         "--warm", action="store_true",
         help="compile what the shapes and extras run, time and save nothing",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-anchor", action="store_true",
+        help="use the recorded anchor figures instead of building the anchor (bench/anchor.py)",
+    )  # fmt: skip
     parser.add_argument("--cold-call", help=argparse.SUPPRESS)  # cold_compile's processes
     args = parser.parse_args()
     if args.cold_call:
@@ -417,16 +492,20 @@ def main() -> None:
     def save() -> None:  # after every result: a run cut by its time limit keeps what it measured
         (out_dir / "h200.json").write_text(json.dumps(results, indent=1))
 
+    anchor_module = None if args.no_anchor else guarded(anchor.build)
+    results["anchor"] = "built in this process" if anchor_module else "recorded figures"
     # All compiled before any timing: a compile's worker processes outlive it.
     compiled_fns = {}
     for shape in filter(None, args.shapes.split(",")):
         if shape in compiled:
             t0 = time.perf_counter()
-            compiled_fns[shape] = guarded(compiled_fwd, make_bench_inputs(shape))
+            compiled_fns[shape] = guarded(compiled_public, leaf_args(make_bench_inputs(shape)))
             print(f"  {shape} compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     for shape in filter(None, args.shapes.split(",")):
         try:
-            results["shapes"][shape] = bench_shape(shape, compiled=compiled_fns.get(shape))
+            results["shapes"][shape] = bench_shape(
+                shape, compiled=compiled_fns.get(shape), anchor_module=anchor_module
+            )
         except Exception as e:  # keep the other shapes' numbers
             results["shapes"][shape] = {"error": repr(e)}
         print(shape, json.dumps(results["shapes"][shape]), flush=True)
@@ -438,23 +517,29 @@ def main() -> None:
             results[name] = {"error": repr(e)}
         print(name, json.dumps(results[name]), flush=True)
         save()
+    print_table(results["shapes"])
+
+
+def print_table(shapes: dict) -> None:
+    """What users pay, per shape: the public forward and forward + backward (eager, compiled)
+    against the anchor's, and the backward kernels against the anchor's backward."""
     print(
-        f"\n{'shape':6} {'fwd ms':>8} {'anchor':>8} {'x':>5} {'floor%':>7} | "
-        f"{'bwd ms':>8} {'anchor':>8} {'x':>5} {'floor%':>7} | peak MB"
+        f"\n{'shape':6} {'fwd':>7} {'anchor':>7} {'x':>5} | {'fwd+bwd':>7} {'compiled':>8} "
+        f"{'anchor':>7} {'x':>5} | {'bwd op':>7} {'anchor':>7} {'x':>5} | floor% f/b | MB"
     )
-    for shape, r in results["shapes"].items():
+    for shape, r in shapes.items():
         if "error" in r:
             print(shape, r["error"][:100])
             continue
+        compiled = r.get("fwd_bwd_compiled_ms")
         print(
-            f"{shape:6} kernels only: fwd {r['fwd_kernel_ms']}, bwd {r['bwd_kernel_ms']}; public "
-            f"fwd {r['fwd_public_ms']:.4f}, compiled {r.get('fwd_compiled_ms')} (ms)"
-        )
-        print(
-            f"{shape:6} {r['fwd_ms']:8.4f} {r['anchor_fwd_ms']:8.4f} {r['fwd_speedup']:5.2f} "
-            f"{100 * r['fwd_floor_fraction']:6.1f}% | {r['bwd_ms']:8.4f} "
-            f"{r['anchor_bwd_ms']:8.4f} {r['bwd_speedup']:5.2f} "
-            f"{100 * r['bwd_floor_fraction']:6.1f}% | {r['peak_mem_bytes'] / 2**20:.0f}"
+            f"{shape:6} {r['fwd_public_ms']:7.3f} {r.get('anchor_fwd_ms', float('nan')):7.3f} "
+            f"{r['fwd_speedup']:5.2f} | {r['fwd_bwd_ms']:7.3f} "
+            f"{compiled if compiled is None else round(compiled, 3)!s:>8} "
+            f"{r.get('anchor_fwd_bwd_ms', float('nan')):7.3f} {r['fwd_bwd_speedup']:5.2f} | "
+            f"{r['bwd_ms']:7.3f} {r.get('anchor_bwd_ms', float('nan')):7.3f} "
+            f"{r['bwd_speedup']:5.2f} | {100 * r['fwd_floor_fraction']:4.0f} "
+            f"{100 * r['bwd_floor_fraction']:4.0f} | {r['peak_mem_bytes'] / 2**20:.0f}"
         )
 
 

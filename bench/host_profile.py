@@ -1,8 +1,9 @@
 """Where the host time of an eager scan call goes (GPU): per-call host time of the ops
-and of the public function, and a cProfile by function of the forward op's eager call (or of
-the public function's, without grad: its direct path).
+and of the public function, and a profile (cProfile by function, torch.profiler by operator) of
+the forward op's eager call, of the public function's without grad (its direct path), or of a
+training step's forward and backward through autograd.
 
-    python bench/host_profile.py [--shape S6] [--calls 200] [--top 25] [--profile public]
+    python bench/host_profile.py [--shape S6] [--calls 200] [--top 25] [--profile train]
 
 Host time = wall time of back-to-back calls without synchronization, per call, after warm-up
 (the kernels of these shapes are shorter than their launches, so the GPU waits on the host).
@@ -47,7 +48,7 @@ def main() -> None:
     parser.add_argument("--shape", default="S6")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--profile", choices=("op", "public"), default="op")
+    parser.add_argument("--profile", choices=("op", "public", "train"), default="op")
     args = parser.parse_args()
     x = make_bench_inputs(args.shape)
     inputs = [x[k] for k in SCAN_INPUTS]
@@ -55,6 +56,12 @@ def main() -> None:
     dout = torch.randn_like(out)
     public = {k: x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")}
     ops = torch.ops.selective_scan
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in public.items()}
+
+    def train():  # a training step's share of the scan: forward, then backward from dout
+        for t in leaves.values():
+            t.grad = None
+        selective_scan_fn(**leaves, delta_softplus=True).backward(dout)
 
     def fwd_op():
         return ops.scan_fwd_triton(*inputs, True)
@@ -67,11 +74,15 @@ def main() -> None:
         # Outside the op, wrap_triton takes its tracing path: not what users run, kept to show it.
         "scan_fwd launcher outside the op": lambda: scan.scan_fwd(*inputs, True),
         "selective_scan_fn (no grad)": lambda: selective_scan_fn(**public, delta_softplus=True),
+        "selective_scan_fn (with grad)": lambda: selective_scan_fn(**leaves, delta_softplus=True),
+        "selective_scan_fn fwd+bwd": train,
         "empty CUDA tensor": lambda: torch.empty(16, device="cuda"),
     }
     for name, fn in calls.items():
         print(f"{args.shape} {name:30s} {host_us(fn, args.calls):9.1f} us host per call")
-    profiled = fwd_op if args.profile == "op" else calls["selective_scan_fn (no grad)"]
+    profiled = {"op": fwd_op, "public": calls["selective_scan_fn (no grad)"], "train": train}[
+        args.profile
+    ]
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.calls):
@@ -81,6 +92,12 @@ def main() -> None:
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
     print(text.getvalue())
+    # cProfile sees this thread only; a CUDA backward runs on autograd's device thread.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            profiled()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ export CONFORMANCE_OUT="$OUT_DIR/conformance.json"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     python3 -c "import platform, torch, triton; print('torch', torch.__version__, 'triton', \
 triton.__version__, 'python', platform.python_version())"
-    echo "commit $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+    # GIT_COMMIT: the commit the tree was copied from, where the copy's own .git is not it.
+    echo "commit ${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 } > "$OUT_DIR/environment.txt" 2>&1
 cat "$OUT_DIR/environment.txt"
 
