@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import FWD_ARGS, SHAPES, make_bench_inputs
-from tune_gpu import parse, use_config
+
 
 from selective_scan import ops  # noqa: F401  (registers torch.ops.selective_scan)
 
@@ -100,6 +100,8 @@ def main() -> None:
         help="a training step of the public function, eager and compiled static and dynamic",
     )  # fmt: skip
     args = parser.parse_args()
+    from tune_gpu import parse, use_config
+
     use_config(parse(args.config))
 
     def named_calls(shape):

@@ -97,15 +97,19 @@ def _eager_function(fwd_impl, bwd_op) -> type[torch.autograd.Function]:
     (``_make_backward``), for plain eager calls that record autograd
     (``kernels.launch.eager_autograd_ok``). It is the op's registered autograd without the
     dispatcher's and torch.library's per-call host work around it (design §1.5): a round trip
-    through the dispatcher, the autograd wrapper's schema walks and a redispatch."""
+    through the dispatcher, the autograd wrapper's schema walks and a redispatch. Its forward
+    takes ctx itself: with a separate setup_context, Function.apply binds the arguments to
+    forward's signature through inspect on every call."""
+
+    def forward(ctx, *inputs):
+        output = fwd_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
     return type(
         "EagerSelectiveScan",
         (torch.autograd.Function,),
-        {
-            "forward": staticmethod(fwd_impl),
-            "setup_context": staticmethod(_setup_context),
-            "backward": staticmethod(_make_backward(bwd_op)),
-        },
+        {"forward": staticmethod(forward), "backward": staticmethod(_make_backward(bwd_op))},
     )
 
 
