@@ -34,7 +34,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import anchor
 from profile_kernels import per_kernel_us
-from report import guarded
+from report import git_commit, guarded
 from shapes import ANCHORS_MS, FWD_ARGS, SHAPES, make_bench_inputs
 
 import selective_scan  # noqa: F401  (registers the ops)
@@ -484,6 +484,7 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
+        "commit": git_commit(),
         "method": "triton.testing.do_bench median (warmup 100 ms, rep 400 ms), inputs rotated "
         "over >= 3x L2; bf16 unless noted; variable B/C, D, z, delta_bias, softplus",
         "shapes": {},

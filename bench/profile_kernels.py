@@ -23,9 +23,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import FWD_ARGS, SHAPES, make_bench_inputs
-
+from tune_gpu import parse, policy_of
 
 from selective_scan import ops  # noqa: F401  (registers torch.ops.selective_scan)
+from selective_scan.kernels.tiles import use_policy
 
 OPS = torch.ops.selective_scan
 
@@ -66,11 +67,11 @@ def per_kernel_us(fn, calls: int) -> list[tuple[str, float]]:
 
 def compiled_calls(shape: str, seqlen: int | None):
     """(eager call, compiled call) of the public forward on the shape's benchmark inputs."""
-    from gpu_bench import _public_fwd, compiled_fwd  # gpu_bench imports this module
+    from gpu_bench import _no_grad, _public_fwd, compiled_public, leaf_args  # imports this
 
     x = make_bench_inputs(shape, small_seqlen=seqlen)
-    compiled = compiled_fwd(x)
-    return (lambda: _public_fwd(x)), (lambda: compiled(x))
+    compiled = compiled_public(leaf_args(x))
+    return (lambda: _public_fwd(x)), (lambda: _no_grad(compiled, x))
 
 
 def train_calls(shape: str, seqlen: int | None):
@@ -100,9 +101,12 @@ def main() -> None:
         help="a training step of the public function, eager and compiled static and dynamic",
     )  # fmt: skip
     args = parser.parse_args()
-    from tune_gpu import parse, use_config
+    with use_policy(policy_of(parse(args.config))):
+        profile(args)
 
-    use_config(parse(args.config))
+
+def profile(args) -> None:
+    """Print each kernel's GPU time per call of every shape and direction args name."""
 
     def named_calls(shape):
         if args.train:

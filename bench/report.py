@@ -7,6 +7,7 @@ import datetime
 import importlib.util
 import os
 import platform
+import subprocess
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -14,6 +15,19 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+
+def git_commit() -> str:
+    """GIT_COMMIT if set (a copied tree has no .git), else ``git rev-parse HEAD``."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    root = Path(__file__).resolve().parent.parent
+    with contextlib.suppress(OSError):
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=False
+        )
+        return result.stdout.strip() or "unknown"
+    return "unknown"
 
 
 def environment(device: str) -> dict:

@@ -54,14 +54,13 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from report import environment, guarded
+from report import environment, git_commit, guarded
 
 from selective_scan import Mamba, MambaLMHeadModel
 
@@ -71,19 +70,6 @@ TIMED_S = 15.0  # timed steps per case stop at about this many seconds (3 steps 
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def git_commit() -> str:
-    """GIT_COMMIT if set (a copied tree has no .git), else ``git rev-parse HEAD``."""
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    root = Path(__file__).resolve().parent.parent
-    with contextlib.suppress(OSError):
-        result = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=False
-        )
-        return result.stdout.strip() or "unknown"
-    return "unknown"
 
 
 def free_memory(device: str) -> None:
