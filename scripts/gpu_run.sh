@@ -6,14 +6,16 @@
 #
 # OUT_DIR then holds:
 #   environment.txt       GPU, driver, torch, triton, Python, git commit
-#   tests.log             the GPU suites (tests/test_gpu*.py) and the suites that also run their
-#                         Triton cases on CUDA tensors
-#   conformance.json      the conformance grid's counts (tests/test_gpu_conformance.py)
+#   tests.log             the GPU suites (tests/test_gpu.py, test_gpu_models.py) and the suites
+#                         that also run their Triton cases on CUDA tensors
+#   conformance.log, conformance.json    the conformance grid (tests/test_gpu_conformance.py)
+#                         and its counts
 #   h200.json decode.json varlen.json     the benchmarks' results (bench/*_bench.py)
 #   bench.log             the benchmarks' output
 #
 # Environment: TESTS (pytest targets), PYTEST_ARGS, BENCH_ARGS, DECODE_ARGS, VARLEN_ARGS (extra
-# arguments), STAGES (default "tests bench decode varlen"). Exits non-zero if a stage failed.
+# arguments), CONFORMANCE_WORKERS (15), STAGES (default "tests conformance bench decode varlen";
+# STAGES=conformance for one of them). Exits non-zero if a stage failed.
 set -uo pipefail
 OUT_DIR="${1:-${OUT:-gpu_results}}"
 mkdir -p "$OUT_DIR"
@@ -29,7 +31,7 @@ triton.__version__, 'python', platform.python_version())"
 } > "$OUT_DIR/environment.txt" 2>&1
 cat "$OUT_DIR/environment.txt"
 
-TESTS="${TESTS:-tests/test_gpu.py tests/test_gpu_models.py tests/test_gpu_conformance.py \
+TESTS="${TESTS:-tests/test_gpu.py tests/test_gpu_models.py \
 tests/test_state_update.py tests/test_triton_interpreter.py tests/test_scan.py \
 tests/test_state_varlen.py tests/test_ops.py tests/test_compile.py}"
 WORKERS=()
@@ -46,11 +48,15 @@ run() {  # run NAME LOG COMMAND...: append the command's output to LOG; count a 
     [ "$status" = 0 ] || failed=$((failed + 1))
 }
 
-for stage in ${STAGES:-tests bench decode varlen}; do
+for stage in ${STAGES:-tests conformance bench decode varlen}; do
     case "$stage" in
         # TESTS and the *_ARGS variables are word lists: unquoted on purpose.
         tests) run tests "$OUT_DIR/tests.log" python3 -m pytest -p no:cacheprovider -rf \
             --tb=short "${WORKERS[@]}" $TESTS ${PYTEST_ARGS:-} ;;
+        # The grid compiles about 900 kernel specializations: a stage of its own, every core.
+        conformance) run conformance "$OUT_DIR/conformance.log" python3 -m pytest \
+            -p no:cacheprovider -rf --tb=short -n "${CONFORMANCE_WORKERS:-15}" \
+            tests/test_gpu_conformance.py ;;
         bench) run bench "$OUT_DIR/bench.log" python3 bench/gpu_bench.py --out "$OUT_DIR" \
             ${BENCH_ARGS:-} ;;
         decode) run decode "$OUT_DIR/bench.log" python3 bench/decode_bench.py --out "$OUT_DIR" \

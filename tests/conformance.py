@@ -1,7 +1,8 @@
 """The conformance grid: seeded random samples of the option space mamba_ssm's users reach, for
 selective_scan_fn, mamba_inner_fn and selective_state_update, each checked against a float64
-oracle (outputs and every gradient). One generator serves the GPU run (test_gpu_conformance.py,
-thousands of configurations) and CI (test_conformance.py: the PyTorch path and the Triton
+oracle (outputs and every gradient). The same configurations and checks serve the GPU run
+(test_gpu_conformance.py: thousands of configurations in families that share compiled kernels,
+against a chunked float64 oracle) and CI (test_conformance.py: the PyTorch path and the Triton
 kernels under the interpreter, on smaller sizes); the tolerances live here, in one table.
 
 A configuration is a frozen dataclass whose ``id`` names every option, so a failure message
@@ -11,14 +12,18 @@ chunk of configurations reports all of its failures at once).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import json
 import math
 import os
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import model_helpers
 import torch
 from helpers import (
     float_inputs,
@@ -26,11 +31,10 @@ from helpers import (
     make_inputs,
     make_weights,
     oracle,
-    pairwise,
     rel_err,
     run_scan,
+    to_float64,
 )
-from model_helpers import mamba_inner_naive
 from test_state_update import oracle as step_oracle
 from test_state_update import step_inputs
 
@@ -194,14 +198,6 @@ class Profile:
     batches: tuple = (2, 1)
 
 
-def _gpu_cost(batch, seqlen, dim, dstate):
-    # The oracle dominates: a Python step loop (~60 us a step forward and backward) over tensors
-    # of batch * dim * dstate float64 elements; it materializes about six of (batch, dim,
-    # dstate, seqlen). The cap (0.5: 4096 steps of up to 1.2e8 elements, ~6 GB a worker) bounds
-    # memory as much as time.
-    return seqlen * 6e-5 + batch * dim * dstate * seqlen * 2e-9
-
-
 def _cpu_cost(batch, seqlen, dim, dstate):
     # Measured on the 2-core development Xeon: 65 us a step of the float64 oracle (forward and
     # backward), 0.25 us an element of a step (768 x 16 x 2 at 512 steps: 3 s).
@@ -225,7 +221,6 @@ def _inner_cpu_cost(batch, seqlen, dim, dstate):
     return _cpu_cost(batch, seqlen, dim, dstate) + 2e-8 * batch * seqlen * dim * dim
 
 
-GPU = Profile("gpu", SEQLENS, DIMS, DSTATES, _gpu_cost, max_cost=0.5)
 CI_TORCH = Profile("torch", SEQLENS, DIMS, DSTATES, _cpu_cost, max_cost=0.3)
 CI_INNER = Profile("inner-torch", SEQLENS, DIMS, DSTATES, _inner_cpu_cost, max_cost=0.5)
 CI_INTERPRETER = Profile(
@@ -280,40 +275,18 @@ def _normalized(key: dict) -> dict:
     return key
 
 
-def option_keys(k: int, seed: int) -> list[dict]:
-    """At least k distinct option combinations: a pairwise covering array of OPTION_AXES (every
-    pair of values of any two axes together at least once; fixed, the same in every run), then
-    random combinations drawn with ``seed``."""
-    keys = []
-    rng = random.Random(f"keys-{seed}")
-    for row in pairwise(OPTION_AXES):
-        if _normalized(row) not in keys:
-            keys.append(_normalized(row))
-    while len(keys) < k:
-        key = _normalized({name: rng.choice(values) for name, values in OPTION_AXES.items()})
-        if key not in keys:
-            keys.append(key)
-    return keys
-
-
-def sample_scan(n: int, seed: int, profile: Profile, keys: list[dict] | None = None):
+def sample_scan(n: int, seed: int, profile: Profile) -> list[ScanConfig]:
     """n scan configurations of ``profile``'s sizes: every axis dealt from its own deck, sizes
-    cut to the profile's cost cap (a (dim, dstate) pair that fits no length is redealt). With
-    ``keys`` the options come from those combinations (dealt evenly) instead of their own
-    decks: on a GPU every distinct combination costs compiles (see test_gpu_conformance.py)."""
+    cut to the profile's cost cap (a (dim, dstate) pair that fits no length is redealt)."""
     rng = random.Random(f"scan-{profile.name}-{seed}")
     axes = OPTION_AXES | dict(
         seqlen=profile.seqlens, dim=profile.dims, dstate=profile.dstates,
         dtype=tuple(DTYPE_NAMES[d] for d in profile.dtypes),
     )  # fmt: skip
     deck = _decks(rng, axes)
-    key_deck = _Deck(rng, keys) if keys else None
     configs = []
     while len(configs) < n:
-        if key_deck:
-            options = key_deck.draw()
-        else:
-            options = _normalized({name: deck[name].draw() for name in OPTION_AXES})
+        options = _normalized({name: deck[name].draw() for name in OPTION_AXES})
         dim = deck["dim"].draw()
         fit = _fit_sizes(rng, profile, deck["seqlen"].draw(), dim, options["dstate"])
         if fit is None:
@@ -324,36 +297,291 @@ def sample_scan(n: int, seed: int, profile: Profile, keys: list[dict] | None = N
     return configs
 
 
-def core_scan(seqlens=(512, 784, 1024, 1134, 2048, 4096), dims=(4, 8, 24)) -> list[ScanConfig]:
-    """The fixed core, the same in every run whatever the sample's seed: every small dim at
-    every length >= 512, three times each, with options dealt from the pairwise covering rows
-    of option_keys (each row 2-3 times); plus the regression's grouped-B/C family with every
-    option on, in each dtype and group count, at 512 and 2048 steps."""
-    rng = random.Random("scan-core")
-    keys = _Deck(rng, option_keys(0, seed=0))
-    configs = []
-    for dim in dims:
-        for seqlen in seqlens:
-            for _ in range(3):
-                configs.append(ScanConfig(seqlen=seqlen, batch=2, dim=dim, **keys.draw(),
-                                          seed=rng.randrange(2**31)))  # fmt: skip
+# ---- the GPU sample: families that share compiled kernels ----------------------------------------
+#
+# On a GPU the Triton kernels compile for every distinct specialization: their constexprs (dtype,
+# dstate, each option, and tiles from the sizes: padded rows where 8 or 16 does not divide the
+# length, a block of channels from dim and groups, the ranges' local pass where few channels
+# meet a long sequence) and, for every int argument, whether it is 1 and whether 16 divides it
+# (dim, seqlen, strides, tiles, ranges, blocks...). A forward takes 2-4 s to compile on the H200,
+# a backward 7-9 s (12 s and more at 64 and 256 states: README, bench/results/h200.json),
+# about 20-25 s a configuration with the smaller kernels around them; checking one takes well
+# under a second. Counted from the launches a sample records (launch.recording under the
+# interpreter, with the H200's fast math, PDL and direct launches), 2,000 configurations each
+# with options and sizes of their own need some 5,000 specializations: 24,000 s of compiling
+# at those rates. So the GPU's sample is made of families: one option combination, one class
+# of dims and one of lengths below, batch 1 to 8, shapes repeated with a new seed at most once.
+# Within a class nearly every kernel is shared (lengths 2048 and 4096 differ in no argument's
+# divisibility, nor do dims 8 and 24; batch changes the grid and the ranges' count, rarely a
+# specialization): a family costs one or two configurations' compiles (13-84 s by the same
+# count). The coverage asked for is over option values and the listed sizes, not over every
+# pairing of them: every length, dim and dstate, every combination of the five flags and every
+# pair of option values are in every run.
+LENGTH_CLASSES = ((1,), (8,), (16, 32, 64), (128, 256), (372,), (512, 1024), (784,), (1134,),
+                  (2048, 4096))  # fmt: skip
+DIM_CLASSES = ((4,), (8, 24), (768, 1536))
+FAMILY_BATCHES = (1, 2, 3, 4, 5, 6, 7, 8)
+SEEDS_PER_SHAPE = 2  # at most: a family of few shapes stays small
+# The fixed core's classes: the small dims at every length from 512 on (the grouped-B/C
+# regression appeared there, where few channels cut a sequence into ranges).
+CORE_CLASSES = tuple((dims, lengths) for dims in DIM_CLASSES[:2] for lengths in LENGTH_CLASSES
+                     if lengths[0] >= 512)  # fmt: skip
+FLAGS = ("last_state", "delta_bias", "softplus", "z", "D")
+
+
+def _gpu_cost(batch, seqlen, dim, dstate):
+    # Seconds a configuration takes on the H200 host beside its compiles (estimated from the
+    # counts; the CPU figures scaled): its inputs drawn on the CPU (about 6e-8 s an element of
+    # u, delta, z), the chunked float64 oracle's passes over (batch, dim, dstate, seqlen)
+    # (about 40, 1e-10 s an element at 3 TB/s) and its kernels' launches (about 60 plus 6 a
+    # chunk of 64 steps, 15 us each, per slice of ORACLE_ELEMENTS). The cap (1 s) leaves out
+    # only the largest states at the largest sizes.
+    elements = batch * dim * dstate * seqlen
+    slices = max(1, -(-elements // ORACLE_ELEMENTS))
+    return 6e-8 * batch * dim * seqlen + 1e-10 * elements + slices * (60 + seqlen / 10) * 1.5e-5
+
+
+GPU = Profile("gpu", SEQLENS, DIMS, DSTATES, _gpu_cost, max_cost=1.0)
+
+
+def covering_keys() -> list[dict]:
+    """Option combinations, the same in every run: each of the 32 combinations of the five
+    flags (FLAGS) once, the other axes filled greedily so that every pair of values of any two
+    axes of OPTION_AXES occurs in some row, then rows added (from the first missing pair) until
+    none is missing. Rows are normalized as they are built: groups and the flat layout only
+    with variable B or C."""
+    names = list(OPTION_AXES)
+    missing = {(a, x, b, y) for a, b in itertools.combinations(names, 2)
+               for x in OPTION_AXES[a] for y in OPTION_AXES[b]}  # fmt: skip
+
+    used = collections.Counter()
+
+    def pairs(row):
+        return {(a, row[a], b, row[b]) for a, b in itertools.combinations(names, 2)}
+
+    def gain(row, name, value):  # missing pairs that setting name to value would cover
+        def pair(other, v):
+            first = names.index(name) < names.index(other)
+            return (name, value, other, v) if first else (other, v, name, value)
+
+        return sum(pair(other, v) in missing for other, v in row.items())
+
+    def fill(row):
+        for name in names:  # b_var and c_var before groups and flat
+            if name in row:
+                continue
+            values = OPTION_AXES[name]
+            if name in ("groups", "flat") and not (row["b_var"] or row["c_var"]):
+                values = (1,) if name == "groups" else (False,)
+            elif name == "c_var" and not row["b_var"] and row.get("groups", 1) != 1:
+                values = (True,)  # the row's groups need a variable B or C
+            elif name == "c_var" and not row["b_var"] and row.get("flat", False):
+                values = (True,)  # and so does its flat layout
+            # Ties to the value used least so far: the rows spread each axis evenly.
+            row[name] = max(values, key=lambda v, name=name: (gain(row, name, v),
+                                                              -used[name, v]))  # fmt: skip
+        for name in names:
+            used[name, row[name]] += 1
+        return {name: row[name] for name in names}
+
+    keys = []
+    for flags in itertools.product((True, False), repeat=len(FLAGS)):
+        keys.append(fill(dict(zip(FLAGS, flags, strict=True))))
+        missing -= pairs(keys[-1])
+    while missing:
+        a, x, b, y = min(missing, key=str)
+        keys.append(fill({a: x, b: y}))
+        missing -= pairs(keys[-1])
+    return keys
+
+
+def family(options: dict, dims, lengths, size: int, rng, profile=GPU, name="") -> list:
+    """Up to ``size`` configurations of one option combination (a family's kernels compile
+    once): the shapes of FAMILY_BATCHES, ``dims`` and ``lengths`` within the profile's cost cap,
+    in random order, repeated with new seeds (at most SEEDS_PER_SHAPE times each)."""
+
+    def fits(batch, dim, seqlen):
+        return profile.cost(batch, seqlen, dim, options["dstate"]) <= profile.max_cost
+
+    shapes = [(batch, dim, seqlen) for dim in dims for seqlen in lengths
+              for batch in FAMILY_BATCHES if fits(batch, dim, seqlen)]  # fmt: skip
+    rng.shuffle(shapes)
+    count = min(size, SEEDS_PER_SHAPE * len(shapes))
+    return [ScanConfig(seqlen=seqlen, batch=batch, dim=dim, **options, seed=rng.randrange(2**31),
+                       name=name)
+            for batch, dim, seqlen in itertools.islice(itertools.cycle(shapes), count)]  # fmt: skip
+
+
+def scan_families(n: int, seed: int, size: int) -> list[list[ScanConfig]]:
+    """Families (``family``) of ``size`` configurations or fewer, at least n configurations in
+    all. The fixed core, the same in every run: a family for each row of ``covering_keys``, and
+    for the grouped-B/C regression's options (REGRESSION) in each dtype and group count, each
+    on a class of CORE_CLASSES (small dims, lengths from 512), dealt in turn. Then families
+    drawn with ``seed``: options from decks of each axis, classes from a deck of every dim
+    class with every length class."""
+    core = random.Random("families-core")
+    classes = _Deck(core, CORE_CLASSES)
+    families = [family(key, *classes.draw(), size, core) for key in covering_keys()]
+    regression = {k: v for k, v in REGRESSION.items() if k in OPTION_AXES}
     for dtype in DTYPE_NAMES.values():
         for groups in GROUPS:
-            for seqlen in (512, 2048):
-                configs.append(ScanConfig(**REGRESSION | dict(
-                    seqlen=seqlen, dtype=dtype, groups=groups, dim=8, seed=rng.randrange(2**31),
-                )))  # fmt: skip
-    return configs
+            options = regression | dict(dtype=dtype, groups=groups)
+            families.append(family(options, *classes.draw(), size, core,
+                                   name="grouped_bc_regression"))  # fmt: skip
+    rng = random.Random(f"families-{seed}")
+    deck = _decks(rng, OPTION_AXES)
+    classes = _Deck(rng, [(dims, lengths) for dims in DIM_CLASSES for lengths in LENGTH_CLASSES])
+    while sum(map(len, families)) < n:
+        options = _normalized({name: deck[name].draw() for name in OPTION_AXES})
+        configs = family(options, *classes.draw(), size, rng)
+        if configs:  # none where the class's shapes all exceed the cap at these states
+            families.append(configs)
+    return families
 
 
-def chunks_by_key(configs: list, size: int) -> list[list]:
-    """Chunks of at most ``size`` configurations, each of one option combination (``key``):
-    a worker given a chunk compiles its kernels once for all of it, and parallel workers do not
-    compile the same kernels at once."""
-    groups: dict = {}
-    for c in configs:
-        groups.setdefault(c.key, []).append(c)
-    return [chunk for group in groups.values() for chunk in chunks(group, size)]
+# ---- the GPU run's float64 oracle ----------------------------------------------------------------
+#
+# selective_scan_ref (helpers.oracle) steps through time in Python: about 12 small kernels a
+# step forward and backward (on the CPU 60-110 us a step, measured), 50,000 at 4096 steps, and
+# some 20 million over the GPU's sample. The GPU's test workers are processes of their own, and
+# kernels of different processes do not run side by side without MPS: the loop, not the
+# operator, would set the run's time. chunked_scan_ref is the same recurrence in float64, in
+# chunks of steps: within a chunk h_t = a_t h_(t-1) + x_t is exactly h_t = e^(S_t) (h_in +
+# sum_(s <= t) e^(-S_s) x_s) with S_t = sum_(r <= t) log a_r = sum_(r <= t) delta_r A, cumulative
+# sums over the steps (vectorized); from chunk to chunk the states pass in a Python loop over
+# chunks, not steps (64 at 4096 steps: some 500 kernels forward and backward). A chunk is short
+# enough that |S| <= CHUNK_LOG_DECAY = 64: the rescaled terms stay within e^(+-64) (float64
+# spans e^(+-709)), and S's own rounding (at most 64 additions of partial sums below 64: 64 *
+# 64 * 2^-53 = 5e-13 absolute) moves each factor e^(+-S) by at most 5e-13 relative, eight
+# orders of magnitude under the float32 bound. The sum's rounding is bounded as the loop's is,
+# by u times the sum of the magnitudes of the decayed terms. selective_scan_ref stays the
+# oracle of record (tests/test_reference.py checks it against a naive loop);
+# test_gpu_conformance.py checks in every run that the two agree to 1e-12 (measured on the CPU:
+# 8e-15 at worst over 150 configurations, every form of B and C, 1 to 4096 steps).
+CHUNK_LOG_DECAY = 64.0
+CHUNK_STEPS = 64  # at most; fewer where the decay is steeper
+# Channels are taken in slices of at most this many (batch, channel, state, step) elements: the
+# chunked form keeps about ten such float64 tensors for its backward (over 100 GB at the
+# largest sizes of the sample, about 3 GB a slice), and the test workers share the GPU's memory.
+ORACLE_ELEMENTS = 1 << 25
+
+
+def _bc_rows(t: torch.Tensor, dim: int, channels: slice) -> torch.Tensor:
+    """B or C for ``channels``, broadcastable to (batch, channels, seqlen, dstate): constant
+    (dim, dstate) rows, or each channel's group of a variable one (batch, [groups,] dstate,
+    seqlen)."""
+    if t.dim() == 2:
+        return t[channels][None, :, None, :]
+    rows = t if t.dim() == 4 else t.unsqueeze(1)
+    group = torch.arange(dim, device=t.device)[channels] // (dim // rows.shape[1])
+    return rows[:, group].transpose(-1, -2)
+
+
+def chunked_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                     return_last_state=False, channels: slice | None = None):  # fmt: skip
+    """selective_scan_ref's semantics (real A, no initial state or packed sequences), computed
+    in chunks of steps (see CHUNK_LOG_DECAY), in the inputs' dtype (float64 here). ``channels``:
+    compute only these channels (out and last_state then hold those)."""
+    dim, seqlen = u.shape[1:]
+    sl = slice(None) if channels is None else channels
+    u, delta, A = u[:, sl], delta[:, sl], A[sl]
+    dt = delta if delta_bias is None else delta + delta_bias[sl, None]
+    if delta_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    dA = dt.unsqueeze(-1) * A[:, None, :]  # (batch, channels, seqlen, dstate), log a_t <= 0
+    x = (dt * u).unsqueeze(-1) * _bc_rows(B, dim, sl)
+    Cr = _bc_rows(C, dim, sl)
+    steep = dA.abs().max().item() if dA.numel() else 0.0
+    K = CHUNK_STEPS
+    while K > 1 and K * steep > CHUNK_LOG_DECAY:
+        K //= 2
+    n_chunks = -(-seqlen // K)
+    pad = (0, 0, 0, n_chunks * K - seqlen)  # padded steps: no decay, no input
+
+    def chunked(t):
+        return torch.nn.functional.pad(t.expand(dA.shape), pad).unflatten(2, (n_chunks, K))
+
+    S = chunked(dA).cumsum(3)  # (batch, channels, chunks, K, dstate)
+    growth = S.exp()
+    x = chunked(x)
+    # Each chunk entered with h = 0: x_t plus the earlier steps' terms, an exclusive cumulative
+    # sum, so that a step's own input takes no factor e^(S_t) e^(-S_t) (exactly x_t, and no
+    # rounding-sized gradient w.r.t. A where the loop's is exactly 0, as at one step).
+    local = x
+    if K > 1:  # (with one step a chunk, e^(-S) may overflow where no term needs it)
+        earlier = (x * (-S).exp()).cumsum(3)[:, :, :, :-1]
+        local = x + growth * torch.nn.functional.pad(earlier, (0, 0, 1, 0))
+    # The state entering each chunk. unbind, not indexing chunk c: autograd then stacks the
+    # chunks' gradients once instead of scattering each into a zero tensor of the full size.
+    decays, ends = growth[:, :, :, -1].unbind(2), local[:, :, :, -1].unbind(2)
+    entries = [local.new_zeros(local.shape[:2] + local.shape[4:])]
+    for c in range(n_chunks - 1):
+        entries.append(decays[c] * entries[-1] + ends[c])
+    h = local + growth * torch.stack(entries, 2).unsqueeze(3)
+    y = (h * chunked(Cr)).sum(-1).flatten(2)[..., :seqlen]
+    out = y if D is None else y + u * D[sl, None]
+    if z is not None:
+        out = out * torch.nn.functional.silu(z[:, sl])
+    last = h.flatten(2, 3)[:, :, seqlen - 1]
+    return (out, last) if return_last_state else out
+
+
+def chunked_oracle(inputs: dict, delta_softplus: bool, weights,
+                   max_elements: int = ORACLE_ELEMENTS):  # fmt: skip
+    """helpers.oracle computed by chunked_scan_ref: float64 (out, last_state) and the gradients
+    of sum(out * w_out) + sum(last_state * w_last) w.r.t. every float input, a slice of channels
+    of at most max_elements (batch x dstate x seqlen each) at a time."""
+    assert inputs.get("initial_state") is None and inputs.get("cu_seqlens") is None
+    names = float_inputs(inputs)
+    ref = {k: v.requires_grad_(True) if k in names else v for k, v in to_float64(inputs).items()
+           if k not in ("initial_state", "cu_seqlens")}  # fmt: skip
+    batch, dim, seqlen = inputs["u"].shape
+    per_channel = batch * inputs["A"].shape[1] * max(seqlen, 1)
+    width = max(1, min(dim, max_elements // per_channel))
+    w_out, w_last = (w.double() for w in weights)
+    outs, lasts = [], []
+    for start in range(0, dim, width):
+        sl = slice(start, start + width)
+        out, last = chunked_scan_ref(**ref, delta_softplus=delta_softplus,
+                                     return_last_state=True, channels=sl)  # fmt: skip
+        loss = (out * w_out[:, sl]).sum() + (last * w_last[:, sl]).sum()
+        loss.backward()  # accumulates into each input's .grad
+        outs.append(out.detach())
+        lasts.append(last.detach())
+    grads = {k: ref[k].grad for k in names}
+    return torch.cat(outs, 1), torch.cat(lasts, 1), grads
+
+
+# The chunked float64 oracle (conformance.chunked_oracle) against the step loop it replaces
+# here (helpers.oracle), in float64 (on the GPU and in CI): sizes that cut into several chunks,
+# padded last chunks, channel slices, every form of B and C. The two are the same recurrence,
+# rounded differently: they agree to about 1e-14 (measured on the CPU over 150 configurations).
+ORACLE_CASES = [
+    ScanConfig(seqlen=L, dtype=dtype, batch=2, dim=dim, dstate=n, b_var=b_var, c_var=True,
+                  groups=groups, flat=flat, last_state=True, delta_bias=bias, softplus=softplus,
+                  z=z, D=D, seed=i)
+    for i, (L, dtype, dim, n, b_var, groups, flat, bias, softplus, z, D) in enumerate([
+        (1, "fp32", 8, 16, True, 2, False, True, True, True, True),
+        (64, "bf16", 4, 1, False, 1, True, False, True, False, True),
+        (372, "fp16", 24, 8, True, 4, False, True, False, True, False),
+        (1134, "fp32", 8, 64, True, 1, True, True, True, True, True),
+        (2048, "bf16", 768, 4, False, 2, False, False, False, True, True),
+    ])
+]  # fmt: skip
+
+
+def check_chunked_oracle(config: ScanConfig, device: str) -> None:
+    """Raise unless chunked_oracle and helpers.oracle agree to 1e-12 relative on config's
+    inputs (slices of 2**16 elements: several channel slices at ORACLE_CASES' sizes)."""
+    inputs = config.inputs(device)
+    weights = make_weights(inputs, seed=config.seed + 1)
+    loop = oracle(inputs, config.softplus, weights)
+    chunked = chunked_oracle(inputs, config.softplus, weights, max_elements=1 << 16)
+    assert set(chunked[2]) == set(loop[2])
+    pairs = [("out", chunked[0], loop[0]), ("last_state", chunked[1], loop[1])]
+    pairs += [(f"d{k}", chunked[2][k], loop[2][k]) for k in loop[2]]
+    errors = {name: rel_err(a, b) for name, a, b in pairs}
+    assert max(errors.values()) < 1e-12, errors
 
 
 # ---- checking one configuration -----------------------------------------------------------------
@@ -367,6 +595,7 @@ class Outcome:
     config: str
     failures: list = dataclasses.field(default_factory=list)
     worst: float = 0.0
+    seconds: float = 0.0  # the check's wall time (set by run_chunk)
 
     def compare(self, name: str, actual, expected, tol: float) -> None:
         if actual is None or tuple(actual.shape) != tuple(expected.shape):
@@ -390,10 +619,11 @@ def poison(device) -> None:
         torch.full((64 << 20,), float("nan"), device=device)
 
 
-def check_scan(cfg: ScanConfig, device) -> Outcome:
+def check_scan(cfg: ScanConfig, device, reference=oracle) -> Outcome:
     """selective_scan_fn on ``cfg``: out, last_state (when returned) and the gradient of every
     float input, for the loss sum(out * w_out) [+ sum(last_state * w_last)] with random weights
-    in the outputs' dtypes (so the oracle's dout is exactly the operator's)."""
+    in the outputs' dtypes (so the oracle's dout is exactly the operator's). ``reference``:
+    the float64 oracle, helpers.oracle (the step loop) or chunked_oracle."""
     outcome = Outcome(cfg.id)
     inputs = cfg.inputs(device)
     poison(device)
@@ -403,7 +633,7 @@ def check_scan(cfg: ScanConfig, device) -> Outcome:
     )
     if not cfg.last_state:
         w_last = torch.zeros_like(w_last)
-    ref_out, ref_last, ref_grads = oracle(inputs, cfg.softplus, (w_out, w_last))
+    ref_out, ref_last, ref_grads = reference(inputs, cfg.softplus, (w_out, w_last))
     outcome.compare("out", out, ref_out, TOLERANCE[out.dtype])
     if cfg.last_state:
         outcome.compare("last_state", last, ref_last, TOLERANCE[last.dtype])
@@ -530,10 +760,49 @@ def sample_inner(n: int, seed: int, profile: Profile) -> list[InnerConfig]:
     return configs
 
 
-def check_inner(cfg: InnerConfig, device) -> Outcome:
+def inner_families(n: int, seed: int, size: int, profile: Profile = GPU) -> list[list]:
+    """mamba_inner_fn in families of ``size`` configurations (n or more in all), for the GPU
+    (see LENGTH_CLASSES): what its scan compiles for fixed in a family (dtype, dstate, B and C
+    variable or constant, D, delta_bias, d_inner, batch and a class of lengths), what only the
+    PyTorch stages around the scan see dealt within it (conv width and bias, RMSNorm weights,
+    projection and output biases, checkpoint level), with new seeds. A family of one option
+    combination costs about one configuration's compiles (counted as for the scan). As in
+    ``sample_inner``: no RMSNorm weights at one state, delta_softplus on."""
+    rng = random.Random(f"inner-families-{seed}")
+    deck = _decks(rng, dict(
+        lengths=LENGTH_CLASSES, dim=profile.dims, dstate=profile.dstates, dtype=profile.dtypes,
+        b_var=(True, False), c_var=(True, False), D=(True, False), delta_bias=(True, False),
+    ))  # fmt: skip
+    inside = _decks(rng, dict(
+        width=(2, 3, 4), rms=(True, False), proj_bias=(True, False), out_bias=(True, False),
+        conv_bias=(True, False), ckpt=(0, 1),
+    ))  # fmt: skip
+    families = []
+    while sum(map(len, families)) < n:
+        lengths, dim, dstate = deck["lengths"].draw(), deck["dim"].draw(), deck["dstate"].draw()
+        batch = next((b for b in profile.batches
+                      if all(profile.cost(b, L, dim, dstate) <= profile.max_cost
+                             for L in lengths)), None)  # fmt: skip
+        if batch is None:
+            continue
+        fixed = dict(dtype=DTYPE_NAMES[deck["dtype"].draw()], batch=batch, d_inner=dim,
+                     dstate=dstate, b_var=deck["b_var"].draw(), c_var=deck["c_var"].draw(),
+                     D=deck["D"].draw(), delta_bias=deck["delta_bias"].draw())  # fmt: skip
+        families.append([InnerConfig(
+            seqlen=lengths[i % len(lengths)], **fixed, width=inside["width"].draw(),
+            rms=inside["rms"].draw() and dstate > 1, proj_bias=inside["proj_bias"].draw(),
+            out_bias=inside["out_bias"].draw(), conv_bias=inside["conv_bias"].draw(),
+            checkpoint_lvl=inside["ckpt"].draw(), seed=rng.randrange(2**31),
+        ) for i in range(size)])  # fmt: skip
+    return families
+
+
+def check_inner(cfg: InnerConfig, device, scan_reference=None) -> Outcome:
     """mamba_inner_fn's output and the gradient of every tensor input against mamba_ssm's
     inner path composed in float64 (model_helpers.mamba_inner_naive) on the same inputs, each
-    within max(g u, 8 x the problem's measured sensitivity) (see INNER_ROUNDINGS)."""
+    within max(g u, 8 x the problem's measured sensitivity) (see INNER_ROUNDINGS).
+    ``scan_reference``: the float64 scan inside that path, selective_scan_ref unless given
+    (chunked_scan_ref on the GPU)."""
     outcome = Outcome(cfg.id)
     inputs = cfg.inputs(device)
     names = [k for k, v in inputs.items() if v is not None]
@@ -544,7 +813,7 @@ def check_inner(cfg: InnerConfig, device) -> Outcome:
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     w_out = torch.randn(out.shape, generator=gen).to(out.dtype).to(device)
     grads = torch.autograd.grad((out * w_out).sum(), [mine[k] for k in names])
-    expected, ref_grads = _inner_reference(inputs, names, w_out)
+    expected, ref_grads = _inner_reference(inputs, names, w_out, scan_reference)
     # The problem's sensitivity to rounding (see INNER_ROUNDINGS): float64 runs on inputs moved
     # by up to u each.
     dtype = BY_NAME[cfg.dtype]
@@ -555,7 +824,7 @@ def check_inner(cfg: InnerConfig, device) -> Outcome:
                      1 + U[dtype] * (2 * torch.rand(v.shape, generator=gen, dtype=torch.float64)
                                      - 1).to(device))
                  for k, v in inputs.items()}  # fmt: skip
-        moved_out, moved_grads = _inner_reference(moved, names, w_out)
+        moved_out, moved_grads = _inner_reference(moved, names, w_out, scan_reference)
         pairs = zip((moved_out, *moved_grads), (expected, *ref_grads), strict=True)
         changes = [rel_err(a, b) for a, b in pairs]
         sensitivity = [max(a, b) for a, b in zip(sensitivity, changes, strict=True)]
@@ -566,12 +835,13 @@ def check_inner(cfg: InnerConfig, device) -> Outcome:
     return outcome
 
 
-def _inner_reference(inputs: dict, names: list, w_out) -> tuple:
+def _inner_reference(inputs: dict, names: list, w_out, scan_reference=None) -> tuple:
     """(out, gradients of sum(out * w_out) w.r.t. ``names``) of mamba_ssm's inner path in
-    float64."""
+    float64, its scan ``scan_reference`` where given."""
     ref = {k: None if v is None else v.detach().double().requires_grad_(True)
            for k, v in inputs.items()}  # fmt: skip
-    out = mamba_inner_naive(**ref)
+    scan = {} if scan_reference is None else {"scan_ref": scan_reference}
+    out = model_helpers.mamba_inner_naive(**ref, **scan)
     grads = torch.autograd.grad((out * w_out.double()).sum(), [ref[k] for k in names])
     return out.detach(), grads
 
@@ -676,6 +946,17 @@ def sample_step(n: int, seed: int, batches=(1, 2, 4, 8)) -> list[StepConfig]:
     return configs
 
 
+def step_families(n: int, seed: int, batches=(1, 2, 3, 4, 8)) -> list[list[StepConfig]]:
+    """Decode steps for the GPU, n or more: each configuration of ``sample_step`` at every batch
+    in ``batches``, with new seeds. The batch is the launch's grid, not an argument the kernel
+    specializes on (but for a batch of one without indices: slots is then 1), so a family
+    compiles once or twice where as many configurations of their own compiled each (286
+    specializations for 300, counted as for the scan)."""
+    rng = random.Random(f"step-families-{seed}")
+    return [[dataclasses.replace(cfg, batch=batch, seed=rng.randrange(2**31)) for batch in batches]
+            for cfg in sample_step(-(-n // len(batches)), seed)]  # fmt: skip
+
+
 def check_step(cfg: StepConfig, device) -> Outcome:
     """One step against the float64 oracle of tests/test_state_update.py: out, and the state
     updated in place (with indices: the named slots stepped, the others untouched, padding rows'
@@ -707,15 +988,21 @@ def chunks(configs: list, size: int) -> list[list]:
     return [configs[i : i + size] for i in range(0, len(configs), size)]
 
 
-def run_chunk(check, configs: list, device) -> list[Outcome]:
-    """Every configuration of a chunk, whatever the others gave; an exception is a failure of
-    that configuration."""
+def run_chunk(check, configs: list, device, **options) -> list[Outcome]:
+    """Every configuration of a chunk (``check(cfg, device, **options)``), whatever the others
+    gave; an exception is a failure of that configuration. Each outcome carries its wall time
+    (on CUDA to the end of its kernels)."""
     outcomes = []
     for cfg in configs:
+        start = time.perf_counter()
         try:
-            outcomes.append(check(cfg, device))
+            outcome = check(cfg, device, **options)
         except Exception as e:  # the configuration failed: report it, go on
-            outcomes.append(Outcome(cfg.id, [f"raised {type(e).__name__}: {e}"], math.inf))
+            outcome = Outcome(cfg.id, [f"raised {type(e).__name__}: {e}"], math.inf)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+        outcome.seconds = time.perf_counter() - start
+        outcomes.append(outcome)
     return outcomes
 
 
@@ -746,8 +1033,12 @@ def record(path: str, function: str, outcomes: list[Outcome], header: dict) -> N
             summary = header | {"functions": {}}
         entry = summary["functions"].setdefault(
             function, {"configurations": 0, "passed": 0, "failed": 0, "worst_error_over_bound":
-                       0.0, "failures": []}
+                       0.0, "seconds": 0.0, "first_of_chunk_seconds": 0.0, "failures": []}
         )  # fmt: skip
+        # Worker seconds checking, and of that the chunks' first configurations: on a GPU a
+        # chunk is a family, whose first configuration compiles its kernels (the rest, some).
+        entry["seconds"] += sum(o.seconds for o in outcomes)
+        entry["first_of_chunk_seconds"] += outcomes[0].seconds if outcomes else 0.0
         for o in outcomes:
             entry["configurations"] += 1
             entry["failed" if o.failures else "passed"] += 1

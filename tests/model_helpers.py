@@ -41,10 +41,11 @@ def mamba_inner_naive(
     xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight,
     out_proj_bias, A, B=None, C=None, D=None, delta_bias=None, B_proj_bias=None,
     C_proj_bias=None, delta_softplus=True, b_rms_weight=None, c_rms_weight=None,
-    dt_rms_weight=None, b_c_dt_rms_eps=1e-6,
+    dt_rms_weight=None, b_c_dt_rms_eps=1e-6, scan_ref=selective_scan_ref,
 ):  # fmt: skip
     """mamba_ssm's mamba_inner_fn written out step by step in mamba_ssm's own layouts: tokens
-    flattened to (batch * seqlen, features) rows for the projections."""
+    flattened to (batch * seqlen, features) rows for the projections; the scan by scan_ref
+    (selective_scan_ref's signature)."""
     batch, _, seqlen = xz.shape
     dstate, rank = A.shape[1], delta_proj_weight.shape[1]
     x, z = xz.chunk(2, dim=1)
@@ -70,7 +71,7 @@ def mamba_inner_naive(
             if norms[name] is not None:
                 t = rms_norm_naive(t, norms[name], b_c_dt_rms_eps)
             given[name] = to_scan_layout(t)
-    y = selective_scan_ref(
+    y = scan_ref(
         x, to_scan_layout(delta), A, given["B"], given["C"], D, z, delta_bias,
         delta_softplus=delta_softplus,
     )  # fmt: skip

@@ -143,3 +143,9 @@ def test_samples_cover_every_value():
     assert {c.indices for c in STEP_TORCH} == {False, True}
     assert {c.dim for c in STEP_TORCH} == set(cf.STEP_DIMS)
     assert {c.dstate for c in STEP_TORCH} == set(cf.STEP_DSTATES)
+
+
+@pytest.mark.parametrize("config", cf.ORACLE_CASES, ids=lambda c: f"L{c.seqlen}-n{c.dstate}")
+def test_chunked_oracle_agrees(config):
+    """The GPU grid's chunked float64 oracle against the step loop, on CPU tensors."""
+    cf.check_chunked_oracle(config, DEVICE)
