@@ -79,6 +79,16 @@ def _worker_main(file: str, name: str, kwargs: str) -> None:
         getattr(module, name)(**json.loads(kwargs))
     finally:
         dist.destroy_process_group()
+    # Done: exit without the interpreter's finalization. torch may still hold the default group
+    # that destroy_process_group let go (DTensor's caches keep a DeviceMesh and its groups;
+    # torch.distributed.nn's default arguments keep the group when it is first imported after
+    # init_process_group, as selective_scan's import of torch._inductor does), so its gloo
+    # threads live on; finalization would free it, and one still releasing the last
+    # collective's tensors would take the GIL there and abort the process ("terminate called
+    # without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def assert_close(actual, expected, name: str, rtol: float = 1e-5, atol: float = 1e-5) -> None:
