@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 SOURCES = Path(__file__).resolve().parent / "anchor_src" / "csrc" / "selective_scan"
+BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "anchor"  # git-ignored
 # setup.py's nvcc flags (append_nvcc_threads adds --threads 4), for sm_90 only.
 NVCC_FLAGS = [
     "-O3", "-std=c++17", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
@@ -31,7 +32,7 @@ NVCC_FLAGS = [
 ]  # fmt: skip
 
 
-def build(build_dir: str | os.PathLike = "build/anchor", jobs: int = 12):
+def build(build_dir: str | os.PathLike = BUILD_DIR, jobs: int = 12):
     """The compiled ``selective_scan_cuda`` module (built into build_dir, reused when already
     built there), or None where it cannot be built here. Prints the build's seconds."""
     if not SOURCES.is_dir() or shutil.which("nvcc") is None or not torch.cuda.is_available():
