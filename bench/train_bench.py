@@ -169,6 +169,7 @@ def run_case(
     module: torch.nn.Module,
     args,
     *,
+    config: dict,
     compile_fn: bool,
     warmup: int,
     steps: int,
@@ -176,9 +177,15 @@ def run_case(
 ) -> dict:
     """Build AdamW over module's parameters, then time training steps of loss_fn (compiled
     with torch.compile when compile_fn: fullgraph first, then fullgraph=False); the first step
-    runs inside the context manager that first_step_context() makes, when given."""
+    runs inside the context manager that first_step_context() makes, when given. The result
+    holds config (with batch and seqlen) plus the module's parameter count, and the tokens a
+    step trains on."""
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
-    result = {"optimizer": "torch.optim.AdamW(lr=1e-4), defaults otherwise"}
+    result = {
+        "config": config | {"params": sum(p.numel() for p in module.parameters())},
+        "tokens_per_step": config["batch"] * config["seqlen"],
+        "optimizer": "torch.optim.AdamW(lr=1e-4), defaults otherwise",
+    }
     losses: dict = {}
     if compile_fn:
         torch._dynamo.reset()  # a previous case's graphs would make this one's shapes dynamic
@@ -261,28 +268,24 @@ def case_layer(args, d_model: int, compile_fn: bool) -> dict:
         return layer(x).float().pow(2).mean()
 
     sizes = shapes(args)
-    result = {
-        "config": {
-            "d_model": d_model,
-            "d_inner": layer.d_inner,
-            "d_state": layer.d_state,
-            "batch": batch,
-            "seqlen": seqlen,
-            "dtype": "bf16 weights and activations",
-            "params": sum(p.numel() for p in layer.parameters()),
-        },
-        "tokens_per_step": batch * seqlen,
+    config = {
+        "d_model": d_model,
+        "d_inner": layer.d_inner,
+        "d_state": layer.d_state,
+        "batch": batch,
+        "seqlen": seqlen,
+        "dtype": "bf16 weights and activations",
     }
-    result |= run_case(
+    return run_case(
         loss_fn,
         (x,),
         layer,
         args,
+        config=config,
         compile_fn=compile_fn,
         warmup=sizes["warmup"],
         steps=sizes["steps"],
     )
-    return result
 
 
 def random_tokens(batch: int, seqlen: int, vocab: int, device: str) -> torch.Tensor:
@@ -308,29 +311,25 @@ def case_model(args, compile_fn: bool) -> dict:
             logits = model(ids)
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
-    result = {
-        "config": {
-            "d_model": d_model,
-            "n_layer": n_layer,
-            "vocab": vocab,
-            "padded_vocab": model.lm_head.weight.shape[0],
-            "batch": batch,
-            "seqlen": seqlen,
-            "precision": "fp32 weights, autocast bf16",
-            "params": sum(p.numel() for p in model.parameters()),
-        },
-        "tokens_per_step": batch * seqlen,
+    config = {
+        "d_model": d_model,
+        "n_layer": n_layer,
+        "vocab": vocab,
+        "padded_vocab": model.lm_head.weight.shape[0],
+        "batch": batch,
+        "seqlen": seqlen,
+        "precision": "fp32 weights, autocast bf16",
     }
-    result |= run_case(
+    return run_case(
         loss_fn,
         (ids, targets),
         model,
         args,
+        config=config,
         compile_fn=compile_fn,
         warmup=sizes["warmup"],
         steps=min(sizes["steps"], 10),
     )
-    return result
 
 
 @contextlib.contextmanager
@@ -389,14 +388,6 @@ def case_hf(args, fast: bool, tokens: tuple[int, int]) -> dict:
         result = {
             "transformers": transformers.__version__,
             "path": "fast: patch_transformers()" if fast else "slow: stock transformers",
-            "config": {
-                **config,
-                "batch": batch,
-                "seqlen": seqlen,
-                "precision": "fp32 weights, autocast bf16",
-                "params": sum(p.numel() for p in model.parameters()),
-            },
-            "tokens_per_step": batch * seqlen,
         }
         # The slow path's step takes seconds on the H200: no warm-up beyond the first step, 3
         # timed steps. The first step counts the fused calls, to record which path ran.
@@ -406,6 +397,8 @@ def case_hf(args, fast: bool, tokens: tuple[int, int]) -> dict:
             (ids,),
             model,
             args,
+            config=config
+            | {"batch": batch, "seqlen": seqlen, "precision": "fp32 weights, autocast bf16"},
             compile_fn=False,
             warmup=warmup,
             steps=steps,
