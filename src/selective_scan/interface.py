@@ -8,7 +8,7 @@ from torch import Tensor
 
 from . import ops
 from ._checks import check_flag
-from .kernels.launch import direct_call_ok, eager_autograd_ok
+from .kernels.launch import direct_call_ok, is_plain_eager
 
 _BACKENDS = ("auto", "triton", "torch")
 
@@ -55,7 +55,7 @@ def _forward(inputs: tuple):
     fwd, _ = scan_ops(inputs[0], inputs[2])
     if direct_call_ok(inputs):
         return ops.FORWARD_IMPLEMENTATIONS[fwd]
-    if eager_autograd_ok(inputs):
+    if is_plain_eager(inputs):
         return ops.EAGER_FUNCTIONS[fwd].apply
     return fwd
 

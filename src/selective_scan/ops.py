@@ -95,7 +95,7 @@ def _make_backward(bwd_op):
 def _eager_function(fwd_impl, bwd_op) -> type[torch.autograd.Function]:
     """An autograd.Function running a forward op's implementation and the op's own backward
     (``_make_backward``), for plain eager calls that record autograd
-    (``kernels.launch.eager_autograd_ok``). It is the op's registered autograd without the
+    (``kernels.launch.is_plain_eager``). It is the op's registered autograd without the
     dispatcher's and torch.library's per-call host work around it (design §1.5): a round trip
     through the dispatcher, the autograd wrapper's schema walks and a redispatch. Its forward
     takes ctx itself: with a separate setup_context, Function.apply binds the arguments to

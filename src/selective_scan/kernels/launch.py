@@ -64,20 +64,12 @@ def direct_call_ok(tensors) -> bool:
     return True
 
 
-def eager_autograd_ok(tensors) -> bool:
-    """Whether an operator's forward implementation may run inside an autograd.Function of
-    its own instead of the operator (ops._eager_function): nothing traces or intercepts the call
-    and every tensor is a plain one. Autograd then records the same node the operator's
-    registered autograd would, minus the dispatcher's host time."""
-    if intercepted():
-        return False
-    return all(t is None or type(t) in PLAIN_TYPES for t in tensors)
-
-
 def is_plain_eager(tensors) -> bool:
     """Whether launching now is indistinguishable from what tracing would record: nothing
     intercepts calls and every tensor is a plain one. (Inside a triton_op's eager call this
-    holds; the launchers are also called outside the op, by benchmarks and tools.)"""
+    holds; the launchers are also called outside the op, by benchmarks and tools.) It is also
+    when a forward op's implementation may run in an autograd.Function of its own instead of
+    the op (ops._eager_function), which records the node the op's registered autograd would."""
     if intercepted():
         return False
     return all(t is None or (type(t) in PLAIN_TYPES and not is_fake(t)) for t in tensors)
