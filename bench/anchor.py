@@ -66,8 +66,13 @@ def forward(module, args: tuple):
     return out_z, saved, out
 
 
+def backward(module, args: tuple, saved: tuple, dout: torch.Tensor) -> tuple:
+    """The extension's backward given dout and what ``forward`` returned for args."""
+    u, delta, A, B, C, D, z, bias, softplus = args
+    _, x, out = saved
+    return module.bwd(u, delta, A, B, C, D, z, bias, dout, x, out, None, softplus, False)
+
+
 def forward_backward(module, args: tuple, dout: torch.Tensor) -> tuple:
     """The extension's forward then its backward given dout: what a training step runs."""
-    _, saved, out = forward(module, args)
-    u, delta, A, B, C, D, z, bias, softplus = args
-    return module.bwd(u, delta, A, B, C, D, z, bias, dout, saved, out, None, softplus, False)
+    return backward(module, args, forward(module, args), dout)

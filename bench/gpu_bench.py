@@ -111,11 +111,6 @@ def _timed(spent: dict, name: str, fn):
     return value
 
 
-def leaf_sets(sets: list[dict]) -> list[dict]:
-    """The public function's arguments from each input set, as leaves that require grad."""
-    return [leaf_args(x) for x in sets]
-
-
 def fwd_bwd_step(fn, leaves: dict, dout: torch.Tensor):
     """A training step's share of the scan: fn(**leaves) forward, then backward from dout
     through autograd, with the leaves' .grad reset first (as zero_grad(set_to_none=True)
@@ -155,9 +150,7 @@ def anchor_figures(module, sets: list[dict], douts: list[torch.Tensor]) -> dict:
     count = len(sets)
 
     def bwd(i):
-        u, delta, A, B, C, D, z, bias, softplus = args[i]
-        _, x, out = saved[i]
-        module.bwd(u, delta, A, B, C, D, z, bias, douts[i], x, out, None, softplus, False)
+        anchor.backward(module, args[i], saved[i], douts[i])
 
     return {
         "anchor_source": "state-spaces/mamba selective_scan_cuda built and timed in this process",
@@ -190,7 +183,7 @@ def bench_shape(shape: str, seqlen=None, compiled=None, anchor_module=None) -> d
     if seqlen is not None:
         result["wall_s"] = spent
         return result
-    leaves = leaf_sets(sets)
+    leaves = [leaf_args(x) for x in sets]
     result.update(
         fwd_kernel_ms=_timed(
             spent, "fwd_kernels", lambda: guarded(lambda: kernel_ms(lambda: fwd_op(sets[0])))
