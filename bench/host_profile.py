@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_bench import fwd_bwd_step, leaf_args
 from shapes import SCAN_INPUTS, make_bench_inputs
 
 from selective_scan import selective_scan_fn
@@ -56,12 +57,10 @@ def main() -> None:
     dout = torch.randn_like(out)
     public = {k: x[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")}
     ops = torch.ops.selective_scan
-    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in public.items()}
+    leaves = leaf_args(x)  # delta_softplus=True, as make_bench_inputs sets it
 
-    def train():  # a training step's share of the scan: forward, then backward from dout
-        for t in leaves.values():
-            t.grad = None
-        selective_scan_fn(**leaves, delta_softplus=True).backward(dout)
+    def train():
+        fwd_bwd_step(selective_scan_fn, leaves, dout)
 
     def fwd_op():
         return ops.scan_fwd_triton(*inputs, True)
@@ -74,7 +73,7 @@ def main() -> None:
         # Outside the op, wrap_triton takes its tracing path: not what users run, kept to show it.
         "scan_fwd launcher outside the op": lambda: scan.scan_fwd(*inputs, True),
         "selective_scan_fn (no grad)": lambda: selective_scan_fn(**public, delta_softplus=True),
-        "selective_scan_fn (with grad)": lambda: selective_scan_fn(**leaves, delta_softplus=True),
+        "selective_scan_fn (with grad)": lambda: selective_scan_fn(**leaves),
         "selective_scan_fn fwd+bwd": train,
         "empty CUDA tensor": lambda: torch.empty(16, device="cuda"),
     }
