@@ -38,7 +38,12 @@ from helpers import (
 from test_state_update import oracle as step_oracle
 from test_state_update import step_inputs
 
-from selective_scan import mamba_inner_fn, selective_scan_fn, selective_state_update
+from selective_scan import (
+    mamba_inner_fn,
+    selective_scan_fn,
+    selective_scan_ref,
+    selective_state_update,
+)
 
 # ---- tolerances -------------------------------------------------------------------------------
 #
@@ -797,12 +802,11 @@ def inner_families(n: int, seed: int, size: int, profile: Profile = GPU) -> list
     return families
 
 
-def check_inner(cfg: InnerConfig, device, scan_reference=None) -> Outcome:
+def check_inner(cfg: InnerConfig, device, scan_reference=selective_scan_ref) -> Outcome:
     """mamba_inner_fn's output and the gradient of every tensor input against mamba_ssm's
     inner path composed in float64 (model_helpers.mamba_inner_naive) on the same inputs, each
     within max(g u, 8 x the problem's measured sensitivity) (see INNER_ROUNDINGS).
-    ``scan_reference``: the float64 scan inside that path, selective_scan_ref unless given
-    (chunked_scan_ref on the GPU)."""
+    ``scan_reference``: the float64 scan inside that path (chunked_scan_ref on the GPU)."""
     outcome = Outcome(cfg.id)
     inputs = cfg.inputs(device)
     names = [k for k, v in inputs.items() if v is not None]
@@ -835,13 +839,12 @@ def check_inner(cfg: InnerConfig, device, scan_reference=None) -> Outcome:
     return outcome
 
 
-def _inner_reference(inputs: dict, names: list, w_out, scan_reference=None) -> tuple:
+def _inner_reference(inputs: dict, names: list, w_out, scan_reference) -> tuple:
     """(out, gradients of sum(out * w_out) w.r.t. ``names``) of mamba_ssm's inner path in
-    float64, its scan ``scan_reference`` where given."""
+    float64, its scan by ``scan_reference``."""
     ref = {k: None if v is None else v.detach().double().requires_grad_(True)
            for k, v in inputs.items()}  # fmt: skip
-    scan = {} if scan_reference is None else {"scan_ref": scan_reference}
-    out = model_helpers.mamba_inner_naive(**ref, **scan)
+    out = model_helpers.mamba_inner_naive(**ref, scan_ref=scan_reference)
     grads = torch.autograd.grad((out * w_out.double()).sum(), [ref[k] for k in names])
     return out.detach(), grads
 
