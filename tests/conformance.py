@@ -1064,8 +1064,8 @@ def tolerance_table() -> dict:
 
 def summary_header(device, seed: int, planned: dict) -> dict:
     """What the summary records besides the counts: the run (pytest-xdist's id shared by its
-    workers, else this process), device, date, versions, the sample's seed, the planned counts
-    and the bounds."""
+    workers, else this process), device, date, versions, commit, the sample's seed, the planned
+    counts and the bounds."""
     import datetime
 
     try:
@@ -1082,6 +1082,8 @@ def summary_header(device, seed: int, planned: dict) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "triton": triton_version,
+        # GIT_COMMIT: set by the GPU script's caller where the copied tree's .git is stale.
+        "commit": os.environ.get("GIT_COMMIT"),
         "backend": os.environ.get("SELECTIVE_SCAN_BACKEND", "auto"),
         "seed": seed,
         "planned": planned,
