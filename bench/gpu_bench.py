@@ -397,7 +397,7 @@ def cold_compile() -> dict:
     a first call spends compiling its configuration's kernels (the shapes' tiles, dtypes and
     passes differ: S4 float32, S3 ranges, S3/S5/S7 2-lane tiles, S5 groups, S6 the PRE pass).
     A process of its own, because kernels compiled earlier in this one stay in memory. About
-    140 s on the H200 (session 21): a call of its own, `--shapes '' --extras cold_compile`."""
+    140 s on the H200: a call of its own, `--shapes '' --extras cold_compile`."""
     result = {}
     for shape in SHAPES:
         with tempfile.TemporaryDirectory() as cache:
