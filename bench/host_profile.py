@@ -5,6 +5,11 @@ training step's forward and backward through autograd.
 
     python bench/host_profile.py [--shape S6] [--calls 200] [--top 25] [--profile train]
 
+With ``--profile train`` it also splits the step: the backward node's own time, timed and
+profiled inside the node (it runs on autograd's device thread, which a profiler started on this
+thread may not see), the step with autograd's device threads off (the backward on this thread),
+and the engine's floor (a step of a no-op autograd.Function with as many inputs).
+
 Host time = wall time of back-to-back calls without synchronization, per call, after warm-up
 (the kernels of these shapes are shorter than their launches, so the GPU waits on the host).
 """
@@ -12,6 +17,7 @@ Host time = wall time of back-to-back calls without synchronization, per call, a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import pstats
@@ -25,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import fwd_bwd_step, leaf_args
 from shapes import SCAN_INPUTS, make_bench_inputs
 
-from selective_scan import selective_scan_fn
+from selective_scan import ops, selective_scan_fn
 from selective_scan.kernels import scan
 
 
@@ -42,6 +48,77 @@ def host_us(fn, calls: int) -> float:
         rounds.append((time.perf_counter() - start) / calls * 1e6)
         torch.cuda.synchronize()
     return sorted(rounds)[2]
+
+
+def stats_text(profiler: cProfile.Profile, top: int) -> str:
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+@contextlib.contextmanager
+def node_timed(function: type[torch.autograd.Function], profiler: cProfile.Profile | None):
+    """Inside the block, the backward of ``function`` appends its wall time per call to the
+    list yielded, under ``profiler`` when given (enabled only while the node runs)."""
+    backward, seconds = function.backward, []
+
+    def timed(ctx, *grads):
+        start = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
+        try:
+            return backward(ctx, *grads)
+        finally:
+            if profiler is not None:
+                profiler.disable()
+            seconds.append(time.perf_counter() - start)
+
+    function.backward = staticmethod(timed)  # the node looks it up on its class each call
+    try:
+        yield seconds
+    finally:
+        function.backward = staticmethod(backward)
+
+
+class _NoOp(torch.autograd.Function):
+    """The engine's floor: one kernel forward, a backward returning dout for the first input."""
+
+    @staticmethod
+    def forward(ctx, u, *rest):
+        ctx.count = len(rest)
+        return u * 1
+
+    @staticmethod
+    def backward(ctx, dout):
+        return (dout, *([None] * ctx.count))
+
+
+def train_split(leaves: dict, dout: torch.Tensor, calls: int, top: int) -> None:
+    """Print where a training step's host time goes (see the module's docstring)."""
+    function = ops.EAGER_FUNCTIONS[ops.triton_ops()[0]]
+
+    def train():
+        fwd_bwd_step(selective_scan_fn, leaves, dout)
+
+    tensors = [t for t in leaves.values() if torch.is_tensor(t)]
+    with node_timed(function, None) as seconds:
+        step = host_us(train, calls)
+        node = sorted(seconds)[len(seconds) // 2] * 1e6
+    with torch.autograd.set_multithreading_enabled(False):
+        on_this_thread = host_us(train, calls)
+    floor = host_us(lambda: _NoOp.apply(*tensors).backward(dout), calls)
+    print(
+        f"train step {step:.1f} us host; backward node (median, timed inside) {node:.1f} us; "
+        f"step with the backward on this thread {on_this_thread:.1f} us; no-op autograd "
+        f"step (engine floor) {floor:.1f} us"
+    )
+    profiler = cProfile.Profile()
+    with node_timed(function, profiler):
+        for _ in range(calls):
+            train()
+        torch.cuda.synchronize()
+    print("backward node, profiled inside:")
+    print(stats_text(profiler, top))
 
 
 def main() -> None:
@@ -82,15 +159,15 @@ def main() -> None:
     profiled = {"op": fwd_op, "public": calls["selective_scan_fn (no grad)"], "train": train}[
         args.profile
     ]
+    if args.profile == "train":
+        train_split(leaves, dout, args.calls, args.top)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.calls):
         profiled()
     profiler.disable()
     torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
-    print(text.getvalue())
+    print(stats_text(profiler, args.top))
     # cProfile sees this thread only; a CUDA backward runs on autograd's device thread.
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(20):
