@@ -84,17 +84,31 @@ def runtime_params(kernel) -> tuple[str, ...]:
     return tuple(p.name for p in params if p.annotation not in (tl.constexpr, "tl.constexpr"))
 
 
+# Keywords of a Triton launch that are not kernel parameters.
+LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl"})
+
+
+def kernel_arguments(kernel, arguments: Mapping) -> dict:
+    """The arguments ``kernel`` takes: its parameters and the launch options. A plan builds one
+    set of arguments for kernels that take different subsets of it (the lanes kernel takes no
+    range, packed-sequence or PRE arguments), so each kernel declares only what it uses."""
+    params = set(kernel.arg_names)
+    return {k: v for k, v in arguments.items() if k in params or k in LAUNCH_OPTIONS}
+
+
 class Launcher:
     """Launches of one kernel with one plan: ``launcher(tensors)`` runs
-    ``kernel[grid](**tensors, **scalars, **options)``, where the plan fixes grid, scalars and
-    options (the caller keeps one Launcher per plan and per value of any option it varies).
-    Every argument is passed by name; the kernel's tensor parameters must come first in its
-    signature, in any order among themselves."""
+    ``kernel[grid](**kernel_arguments(kernel, tensors | scalars | options))``, where the plan
+    fixes grid, scalars and options (the caller keeps one Launcher per plan and per value of any
+    option it varies). Every argument is passed by name; the kernel's tensor parameters must
+    come first in its signature, in any order among themselves."""
 
     __slots__ = ("_compiled", "_order", "grid", "kernel", "options", "scalars")
 
     def __init__(self, kernel, grid: tuple, scalars: Mapping, options: dict):
-        self.kernel, self.grid, self.scalars, self.options = kernel, grid, scalars, options
+        self.kernel, self.grid = kernel, grid
+        self.scalars = kernel_arguments(kernel, scalars)
+        self.options = kernel_arguments(kernel, options)
         # (device, alignment of each tensor) -> (CompiledKernel.run, function, metadata, tail)
         self._compiled: dict[tuple, tuple] | None = {} if _direct_launches_work() else None
         self._order: tuple[str, ...] | None = None  # the tensor parameters in signature order
@@ -103,7 +117,7 @@ class Launcher:
         compiled = self._compiled
         first = next(iter(tensors.values()))
         if compiled is None or not first.is_cuda or _hooks_set():
-            self.kernel[self.grid](**tensors, **self.scalars, **self.options)
+            self.kernel[self.grid](**self._arguments(tensors))
             return
         order = self._order or self._tensor_order(tensors)
         device = driver.active.get_current_device()
@@ -121,14 +135,18 @@ class Launcher:
         stream = driver.active.get_current_stream(device)
         run(*self.grid, stream, function, metadata, None, None, None, *ptrs, *tail)
 
+    def _arguments(self, tensors: dict) -> dict:
+        return kernel_arguments(self.kernel, tensors) | self.scalars | self.options
+
     def _tensor_order(self, tensors: dict) -> tuple[str, ...]:
-        """The kernel's leading parameters, which must be exactly the tensors passed: a direct
-        launch passes pointers by position."""
-        order = tuple(self.kernel.arg_names[: len(tensors)])
-        if set(order) != set(tensors):
+        """The tensors the kernel takes, in its order: they must be its leading parameters, as a
+        direct launch passes pointers by position."""
+        names = self.kernel.arg_names
+        order = tuple(name for name in names if name in tensors)
+        if order != tuple(names[: len(order)]):
             raise TypeError(
-                f"{self.kernel.__name__}: tensor arguments {sorted(tensors)} are not the "
-                f"kernel's leading parameters {list(order)}"
+                f"{self.kernel.__name__}: tensor arguments {list(order)} are not the kernel's "
+                f"leading parameters {list(names[: len(order)])}"
             )
         self._order = order
         return order
@@ -136,13 +154,13 @@ class Launcher:
     def _launch_and_keep(self, device: int, tensors: dict) -> tuple | None:
         """Launch through Triton (compiling if needed) and return what a direct launch of the
         same kernel needs; None when Triton did not return a compiled kernel."""
-        kwargs = {**tensors, **self.scalars, **self.options}
+        kwargs = self._arguments(tensors)
         kernel = self.kernel[self.grid](**kwargs)
         if kernel is None or not hasattr(kernel, "packed_metadata"):
             return None
         bound = tuple(self.kernel.device_caches[device][4](**kwargs)[0].values())
         kernel.run  # noqa: B018 (loads the module on this device, which sets .function)
-        return kernel.run, kernel.function, kernel.packed_metadata, bound[len(tensors) :]
+        return kernel.run, kernel.function, kernel.packed_metadata, bound[len(self._order) :]
 
 
 # Launches recorded (``recording``): (list, whether to launch them too) while a block
@@ -167,16 +185,19 @@ def recording(launch: bool = False) -> Iterator[list]:
 
 def launch_kernel(launchers: dict | None, kernel, grid: tuple, tensors: dict, scalars: Mapping,
                   options: dict, key) -> None:  # fmt: skip
-    """kernel[grid](**tensors, **scalars, **options): directly with ``launchers`` (a plan's
-    Launchers, by ``key``, for plain eager calls on CUDA tensors), through wrap_triton when it is
-    None (traced calls, the interpreter)."""
+    """kernel[grid](**tensors, **scalars, **options), of which the kernel takes what it declares
+    (``kernel_arguments``): directly with ``launchers`` (a plan's Launchers, by ``key``, for
+    plain eager calls on CUDA tensors), through wrap_triton when it is None (traced calls, the
+    interpreter)."""
     record = _RECORD.get()
+    if record is not None or launchers is None:
+        kwargs = kernel_arguments(kernel, {**tensors, **scalars, **options})
     if record is not None:
-        record[0].append((kernel, grid, {**tensors, **scalars, **options}, key))
+        record[0].append((kernel, grid, kwargs, key))
         if not record[1]:
             return
     if launchers is None:
-        wrap_triton(kernel)[grid](**tensors, **scalars, **options)
+        wrap_triton(kernel)[grid](**kwargs)
         return
     launcher = launchers.get(key)
     if launcher is None:

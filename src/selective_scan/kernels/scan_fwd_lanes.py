@@ -204,9 +204,9 @@ def _bc_row(ptr, batch, ch, per_group, s_b, s_g, blk, BD: tl.constexpr):
 
 @triton.jit
 def _scan_fwd_lanes_kernel(
-    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr, cu_ptr,
-    out_ptr, last_ptr, ckpt_ptr, hloc_ptr, dtsum_ptr, pre_ptr,
-    dim, seqlen, RL, n_ranges,
+    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, h0_ptr,
+    out_ptr, last_ptr, ckpt_ptr,
+    dim, seqlen,
     s_ub, s_ud, s_ut, s_db, s_dd, s_dt, s_zb, s_zd, s_zt, s_Ad, s_An,
     B_group, s_Bb, s_Bg, s_Bn, s_Bt, C_group, s_Cb, s_Cg, s_Cn, s_Ct,
     s_D, s_bias, s_hb, s_hd, s_hn,
@@ -215,13 +215,12 @@ def _scan_fwd_lanes_kernel(
     BLOCK: tl.constexpr, T: tl.constexpr, CKPT: tl.constexpr,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, VARLEN: tl.constexpr, B_VAR: tl.constexpr, C_VAR: tl.constexpr,
-    ACC: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr, LOCAL: tl.constexpr,
-    PRE: tl.constexpr, EPI: tl.constexpr, PDL: tl.constexpr, WIDE: tl.constexpr,
-    ALIGN: tl.constexpr, LANES: tl.constexpr, FULL: tl.constexpr,
+    ACC: tl.constexpr, FAST: tl.constexpr, LANES: tl.constexpr, FULL: tl.constexpr,
 ):  # fmt: skip
-    # The leading and trailing arguments are scan_fwd.py's (one plan builds both); B and C
-    # come as they are, with their strides (see layout.lanes_bc_scalars). Ranges, packed
-    # sequences, the PRE pass and EPI do not apply here (see tiles.fwd_tiles).
+    # The arguments are the subset of scan_fwd.py's that this kernel uses (one plan builds both;
+    # launch.kernel_arguments passes each kernel its own). B and C come as they are, with their
+    # strides (see layout.lanes_bc_scalars). Ranges, packed sequences, the PRE pass and EPI do
+    # not apply here (see tiles.fwd_tiles).
     tl.static_assert((LANES == 16) & (T == 16) & (BD * LANES == 32) & (BLOCK == BD))
     tl.static_assert(not VARLEN)
     tl.static_assert(B_VAR & C_VAR)  # see lanes_fit
