@@ -1,7 +1,7 @@
 """Forward scan kernel time against warps per scheduler (GPU): S6's unit of work (8 channels x
 256 steps, one warp, 4 lanes a channel) at dims that give 0.5 to 5 warps per scheduler of the
 H200 (528), with and without the PRE pass. Tells what a unit costs alone and interleaved, i.e.
-what balancing S6's 640 units could gain (docs/design.md, section 3).
+what balancing S6's 640 units could gain (docs/design.md, §4).
 
     python bench/occupancy_sweep.py
 """
