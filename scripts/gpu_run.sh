@@ -33,7 +33,7 @@ cat "$OUT_DIR/environment.txt"
 
 TESTS="${TESTS:-tests/test_gpu.py tests/test_gpu_models.py \
 tests/test_state_update.py tests/test_triton_interpreter.py tests/test_scan.py \
-tests/test_state_varlen.py tests/test_ops.py tests/test_compile.py}"
+tests/test_state_varlen.py tests/test_ops.py tests/test_compile.py tests/test_complex.py}"
 WORKERS=()
 if python3 -c "import xdist" 2>/dev/null; then WORKERS=(-n "${TEST_WORKERS:-8}"); fi
 

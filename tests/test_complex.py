@@ -1,10 +1,13 @@
 """Complex A (mamba_ssm's complex-valued scan): the reference against an independent loop, the
-ops' gradients against finite differences, opcheck, compile and export, mamba_inner_fn, checks.
+ops' gradients against finite differences, opcheck, compile and export, mamba_inner_fn, checks;
+on both backends (``backend``: the PyTorch code and the Triton kernels of
+kernels/complex_scan.py), and the kernels against the PyTorch code.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import BACKENDS, TRITON_RUNS
 from torch.library import opcheck
 
 from selective_scan import mamba_inner_fn, ops, selective_scan_fn, selective_scan_ref
@@ -80,10 +83,16 @@ def test_reference_matches_loop(form_b, form_c):
     torch.testing.assert_close(last, want_last, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("seqlen", [5, 70, 130])  # one chunk, two, three (cpu.CHUNK 64)
-def test_op_gradients_match_finite_differences(seqlen):
+# One chunk, two, three (cpu.CHUNK 64); the kernels' three: test_kernels_match_the_torch_code.
+GRADCHECK_CASES = [(5, "torch"), (70, "torch"), (130, "torch"), (5, "triton"), (70, "triton")]
+
+
+@pytest.mark.parametrize(("seqlen", "backend"), [c for c in GRADCHECK_CASES if c[1] in BACKENDS],
+                         indirect=["backend"])  # fmt: skip
+def test_op_gradients_match_finite_differences(seqlen, backend):
     """The ops' backward for complex A against finite differences of the forward (gradcheck
-    checks both Wirtinger derivatives), through last_state and initial_state too."""
+    checks both Wirtinger derivatives), through last_state and initial_state too. The kernels
+    by random projections (fast_mode): the interpreter runs a forward in tenths of a second."""
     x = complex_inputs(batch=1, dim=2, dstate=2, seqlen=seqlen)
     names = ["u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state"]
     leaves = [x[k].detach().requires_grad_(True) for k in names]
@@ -92,10 +101,41 @@ def test_op_gradients_match_finite_differences(seqlen):
         return selective_scan_fn(*tensors[:8], delta_softplus=True, return_last_state=True,
                                  initial_state=tensors[8])  # fmt: skip
 
-    assert torch.autograd.gradcheck(scan, leaves, atol=1e-6, rtol=1e-5)
+    fast = backend == "triton"
+    assert torch.autograd.gradcheck(scan, leaves, atol=1e-6, rtol=1e-5, fast_mode=fast)
 
 
-def test_float32_matches_oracle():
+@pytest.mark.parametrize(("form_b", "form_c", "options"), [
+    ("variable", "constant", {}), ("constant", "grouped", {}), ("grouped", "variable", {}),
+    ("variable", "variable", dict(D=None)), ("constant", "constant", dict(z=None, delta_bias=None)),
+    ("grouped", "grouped", dict(initial_state=None)),
+], ids=["var-const", "const-grouped", "grouped-var", "no-D", "no-z-bias", "no-h0"])  # fmt: skip
+@pytest.mark.usefixtures("poison_uninitialized")
+def test_kernels_match_the_torch_code(form_b, form_c, options, monkeypatch):
+    """The Triton kernels' forward and every gradient (with dlast_state) equal the PyTorch
+    code's in float64, across three chunks, with outputs poisoned before the kernels write."""
+    if not TRITON_RUNS:
+        pytest.skip("needs triton on a GPU or under the interpreter")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = {k: v if v is None else v.to(device)
+         for k, v in (complex_inputs(form_b, form_c, seqlen=130) | options).items()}  # fmt: skip
+    names = [k for k, v in x.items() if v is not None]
+    results = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", backend)
+        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in x.items() if v is not None}
+        out, last = selective_scan_fn(**leaves, delta_softplus=True, return_last_state=True)
+        gen = torch.Generator().manual_seed(1)
+        w_out = torch.randn(out.shape, generator=gen, dtype=F64).to(device)
+        w_last = torch.randn(last.shape, generator=gen, dtype=C128).to(device)
+        loss = (out * w_out).sum() + (last * w_last.conj()).real.sum()
+        results[backend] = (out, last, *torch.autograd.grad(loss, [leaves[k] for k in names]))
+    for name, got, want in zip(["out", "last", *names], results["triton"], results["torch"],
+                               strict=True):  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11, msg=name)
+
+
+def test_float32_matches_oracle(backend):
     x = complex_inputs(seqlen=150, dtype=torch.float32, form_b="grouped", form_c="variable")
     out, last = selective_scan_fn(**x, delta_softplus=True, return_last_state=True)
     assert out.dtype == torch.float32 and last.dtype == torch.complex64
@@ -104,7 +144,7 @@ def test_float32_matches_oracle():
     assert (last.to(C128) - want_last).norm() / want_last.norm() < 1e-5
 
 
-def test_opcheck():
+def test_opcheck(backend):
     x = complex_inputs(seqlen=70)
     args = (*x.values(), None, True)
     opcheck(ops.scan_fwd, args)
@@ -114,7 +154,7 @@ def test_opcheck():
     opcheck(ops.scan_bwd, bwd)
 
 
-def test_compile_and_export(tmp_path):
+def test_compile_and_export(tmp_path, backend):
     x = complex_inputs(seqlen=20)
 
     def scan(u, delta, A, B, C):
@@ -134,17 +174,24 @@ def test_compile_and_export(tmp_path):
     torch.testing.assert_close(torch.export.load(path).module()(*args), want, rtol=0, atol=0)
 
 
-def test_triton_backend_routes_complex_a_to_the_torch_ops(monkeypatch):
-    """The Triton kernels are real-valued: the public function takes the PyTorch ops for complex
-    A whatever the backend, and the Triton op itself refuses it rather than computing garbage."""
+def test_triton_backend_runs_complex_a_on_the_complex_kernels(monkeypatch):
+    """With the Triton backend, complex A goes to the PyTorch ops, whose implementation runs the
+    complex kernels; the real-valued Triton op refuses complex A rather than computing garbage."""
+    if not TRITON_RUNS:
+        pytest.skip("needs triton on a GPU or under the interpreter")
+    from selective_scan.kernels import complex_scan
+
     monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", "triton")
+    calls = []
+    kernel_fwd = complex_scan.scan_fwd
+    monkeypatch.setattr(complex_scan, "scan_fwd", lambda *a: calls.append(1) or kernel_fwd(*a))
     x = complex_inputs()
     out = selective_scan_fn(**x, delta_softplus=True)
+    assert calls == [1]
     torch.testing.assert_close(out, loop_oracle(x)[0], rtol=1e-12, atol=1e-12)
-    if ops.HAS_TRITON:
-        fwd, _ = ops.triton_ops()
-        with pytest.raises(NotImplementedError, match="complex A runs on the PyTorch ops"):
-            fwd(*x.values(), None, True)
+    fwd, _ = ops.triton_ops()
+    with pytest.raises(NotImplementedError, match="complex A runs on the PyTorch ops"):
+        fwd(*x.values(), None, True)
 
 
 @pytest.mark.parametrize(
@@ -166,7 +213,7 @@ def test_checks(change, error, match):
 
 
 @pytest.mark.parametrize("checkpoint_lvl", [0, 1])
-def test_mamba_inner_fn(checkpoint_lvl):
+def test_mamba_inner_fn(checkpoint_lvl, backend):
     """mamba_inner_fn with complex A: x_proj gives each variable B/C state's real and imaginary
     parts side by side, which reach the scan interleaved in time (mamba_ssm's layout); forward
     and gradients equal the path written out with the reference."""

@@ -1,9 +1,10 @@
 """The selective scan with complex A (mamba_ssm's complex-valued S4D-style scan), on any device.
 
 The ``scan_fwd`` / ``scan_bwd`` ops (cpu.py) run this for complex A; the public functions route
-complex A to them on every device, the Triton kernels being real-valued. Semantics are
-selective_scan_ref's: complex states; constant B/C complex, variable B/C real with real and
-imaginary parts interleaved along time; y = 2 Re(sum_n C h) + D u.
+complex A to them on every device. Where the backend is Triton (``interface.use_triton``: CUDA
+tensors by default), they run the complex kernels of kernels/complex_scan.py; else the PyTorch
+code below. Semantics are selective_scan_ref's: complex states; constant B/C complex, variable
+B/C real with real and imaginary parts interleaved along time; y = 2 Re(sum_n C h) + D u.
 
 Forward: the sequence in chunks of cpu.CHUNK steps, each by the reference's recurrence from the
 state the chunk before left; the state entering each chunk is kept as a checkpoint, as the real
@@ -11,7 +12,9 @@ path keeps them. Backward: the states recomputed from the inputs, then the adjoi
 written out (scan_bwd), with PyTorch's convention for complex gradients, as autograd through
 selective_scan_ref gives them: a real loss's gradient with respect to complex w is
 dL/dRe w + i dL/dIm w, and a real tensor holding interleaved parts gets the parts of that. A
-step at a time in Python, all states kept: this path is for correctness, not speed.
+step at a time in Python, all states kept: this path is for correctness, not speed. Both
+write the same checkpoints (the state entering each chunk), so either backward follows either
+forward.
 """
 
 from __future__ import annotations
@@ -32,10 +35,25 @@ def _steps(t: Tensor | None, t0: int, t1: int, interleaved: bool = False) -> Ten
     return t[..., 2 * t0 : 2 * t1] if interleaved else t[..., t0:t1]
 
 
+def _kernels(u: Tensor):
+    """kernels/complex_scan.py where the Triton backend is chosen for inputs like u, else
+    None. (Imported here: interface imports the ops, which import this module.)"""
+    from .interface import use_triton
+
+    if not use_triton(u):
+        return None
+    from .kernels import complex_scan
+
+    return complex_scan
+
+
 def scan_fwd(args: ScanArgs, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
     """(out (batch, dim, seqlen) in u's dtype, last_state (batch, dim, dstate) complex,
     checkpoints (batch, dim, ceil(seqlen / chunk) + 1, dstate) complex: the state entering each
-    chunk, the spare slot last)."""
+    chunk, the spare slot last, zero)."""
+    kernels = _kernels(args.u)
+    if kernels is not None:
+        return kernels.scan_fwd(args, chunk)
     u, delta, A, B, C, D, z, bias, h0, _ = args.tensors
     batch, dim, seqlen = u.shape
     sdt = state_dtype(A, compute_dtype(*args.floats))
@@ -67,9 +85,11 @@ def _bc_grad(g: Tensor, t: Tensor) -> Tensor:
     return torch.view_as_real(g).flatten(-2)
 
 
-def scan_bwd(dout: Tensor, dlast_state: Tensor | None, args: ScanArgs) -> tuple:
+def scan_bwd(dout: Tensor, dlast_state: Tensor | None, args: ScanArgs, checkpoints: Tensor,
+             chunk: int) -> tuple:  # fmt: skip
     """(du, ddelta, dA, dB, dC, dD, dz, ddelta_bias, dinitial_state), each in its input's shape
-    and dtype, an empty tensor for absent optional inputs.
+    and dtype, an empty tensor for absent optional inputs. The kernels start from the
+    checkpoints (every ``chunk`` steps); the code below recomputes every state.
 
     The states are recomputed from the inputs, then the adjoint recurrence runs last step first:
     with h_t = a_t h_{t-1} + b_t (a_t = exp(delta_t A), b_t = delta_t u_t B_t, holomorphic) and
@@ -77,6 +97,9 @@ def scan_bwd(dout: Tensor, dlast_state: Tensor | None, args: ScanArgs) -> tuple:
     conj(a_t) g_t to h_{t-1}, and gives dB_t = delta_t u_t g_t, dC_t = 2 dy_t conj(h_t),
     dA = sum_t conj(delta_t a_t) conj(h_{t-1}) g_t; real inputs get the real part of the
     conjugate chain rule (d/dx = Re(conj(dw/dx) g))."""
+    kernels = _kernels(args.u)
+    if kernels is not None:
+        return kernels.scan_bwd(dout, dlast_state, args, checkpoints, chunk)
     u, delta, A, B, C, D, z, bias, h0, _ = args.tensors
     cdt = compute_dtype(*args.floats)
     sdt = state_dtype(A, cdt)

@@ -372,7 +372,7 @@ def scan_bwd(
         check_scan_inputs(args)
         sdt = state_dtype(A, compute_dtype(*args.floats))
         check_scan_grads(dout, dlast_state, checkpoints, args, CHUNK, sdt)
-        return complex_scan.scan_bwd(dout, dlast_state, args)
+        return complex_scan.scan_bwd(dout, dlast_state, args, checkpoints, CHUNK)
     p = _Problem(args)
     batch, dim, dstate, cdt = p.batch, p.dim, p.dstate, p.cdt
     check_scan_grads(dout, dlast_state, checkpoints, args, CHUNK, cdt)

@@ -40,7 +40,8 @@ def use_triton(u: Tensor) -> bool:
 
 def scan_ops(u: Tensor, A: Tensor | None = None):
     """(forward op, backward op) of the backend chosen for ``u``; the PyTorch ops for complex
-    ``A`` on every device (the Triton kernels are real-valued)."""
+    ``A`` on every device (the Triton ops are real-valued; the PyTorch ops run complex kernels
+    of their own on the Triton backend, complex_scan.py)."""
     complex_a = isinstance(A, Tensor) and A.is_complex()
     if not complex_a and use_triton(u):
         return ops.triton_ops()
@@ -87,7 +88,8 @@ def selective_scan_fn(
     Complex A (complex64/complex128, as in mamba_ssm): constant B/C complex (dim, dstate),
     variable B/C real with real and imaginary parts interleaved along time, (batch, [groups,]
     dstate, 2 * seqlen); y = 2 Re(sum_n C h) + D u; last_state complex. It runs on the PyTorch
-    ops on every device (not with cu_seqlens).
+    ops on every device, which on the Triton backend launch complex kernels (not with
+    cu_seqlens).
 
     Returns out (batch, dim, seqlen) in u's dtype, and with return_last_state also
     last_state (batch, dim, dstate) float32, whose gradient is propagated when used.
