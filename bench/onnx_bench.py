@@ -185,15 +185,17 @@ def bench_scan_dim(args: argparse.Namespace, work: Path, dim: int) -> dict:
     shapes = (per_step, per_step, None, per_step, per_step, None, per_step, None)
     chunks = (1, 2, 4, 8, 16, 32)
     sessions = {}
-    default = onnx_scan.CHUNK
+    default = os.environ.pop(onnx_scan.CHUNK_VARIABLE, None)
     try:
         for chunk in chunks:
-            onnx_scan.CHUNK = chunk
+            os.environ[onnx_scan.CHUNK_VARIABLE] = str(chunk)
             path = work / f"scan_{dim}_{chunk}.onnx"
             sso.export(_Scan(), inputs(64), path, dynamic_shapes=shapes)
             sessions[chunk] = session(path, args.threads)
     finally:
-        onnx_scan.CHUNK = default
+        os.environ.pop(onnx_scan.CHUNK_VARIABLE, None)
+        if default is not None:
+            os.environ[onnx_scan.CHUNK_VARIABLE] = default
     model = _Scan()
     results = {}
     for length in args.scan_lengths:

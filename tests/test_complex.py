@@ -11,6 +11,7 @@ from conftest import BACKENDS, TRITON_RUNS
 from torch.library import opcheck
 
 from selective_scan import mamba_inner_fn, ops, selective_scan_fn, selective_scan_ref
+from selective_scan.kernels.launch import recording
 
 F64, C128 = torch.float64, torch.complex128
 
@@ -179,15 +180,11 @@ def test_triton_backend_runs_complex_a_on_the_complex_kernels(monkeypatch):
     complex kernels; the real-valued Triton op refuses complex A rather than computing garbage."""
     if not TRITON_RUNS:
         pytest.skip("needs triton on a GPU or under the interpreter")
-    from selective_scan.kernels import complex_scan
-
     monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", "triton")
-    calls = []
-    kernel_fwd = complex_scan.scan_fwd
-    monkeypatch.setattr(complex_scan, "scan_fwd", lambda *a: calls.append(1) or kernel_fwd(*a))
     x = complex_inputs()
-    out = selective_scan_fn(**x, delta_softplus=True)
-    assert calls == [1]
+    with recording(launch=True) as launches:
+        out = selective_scan_fn(**x, delta_softplus=True)
+    assert [kernel.__name__ for kernel, *_ in launches] == ["_complex_scan_fwd_kernel"]
     torch.testing.assert_close(out, loop_oracle(x)[0], rtol=1e-12, atol=1e-12)
     fwd, _ = ops.triton_ops()
     with pytest.raises(NotImplementedError, match="complex A runs on the PyTorch ops"):

@@ -85,9 +85,8 @@ def test_patch_is_idempotent_and_reversible():
 
 def test_unknown_transformers_layout_is_refused(monkeypatch):
     monkeypatch.setitem(sys.modules, "fake_modeling", types.ModuleType("fake_modeling"))
-    monkeypatch.setattr(hf, "MODULE", "fake_modeling")
     with pytest.raises(RuntimeError, match="has none of"):
-        hf.patch_transformers()
+        hf.patch_transformers("fake_modeling")
 
 
 def test_prefill_matches_torch_path(model):

@@ -123,7 +123,7 @@ def test_scan_matches_eager(case, tmp_path):
 def test_chunk_lengths_agree(chunk, tmp_path, monkeypatch):
     """A per-step Scan (chunk 1), a chunk that does not divide the length, a chunk longer
     than the sequence."""
-    monkeypatch.setattr(onnx_scan, "CHUNK", chunk)
+    monkeypatch.setenv(onnx_scan.CHUNK_VARIABLE, str(chunk))
     case = dict(CASES[0], initial_state=True, packed=False)
     model = Scan(delta_softplus=True)
     inputs = scan_inputs(case, batch=2, seqlen=33, seed=3)

@@ -72,7 +72,7 @@ def _ours() -> dict[str, Callable]:
     }
 
 
-def patch_transformers() -> dict[str, Callable]:
+def patch_transformers(module_name: str = MODULE) -> dict[str, Callable]:
     """Point transformers' Mamba model (``MambaMixer``) at selective_scan's functions: the scan,
     the decode step, the causal conv and its update, and the fused ``mamba_inner_fn``.
 
@@ -80,9 +80,9 @@ def patch_transformers() -> dict[str, Callable]:
     Idempotent; ``unpatch_transformers`` undoes it. Returns {global name: the value now there}
     (our functions; on transformers 4 also the conv cache and the fast-path flag). Raises
     ImportError without transformers, RuntimeError if the installed version's module lacks one
-    of the hooks.
+    of the hooks. ``module_name``: the module holding the mixer's globals.
     """
-    module = importlib.import_module(MODULE)
+    module = importlib.import_module(module_name)
     ours = _ours()
     patched = {}
     for role, names in _GLOBALS.items():
@@ -98,7 +98,7 @@ def patch_transformers() -> dict[str, Callable]:
     missing = [names for role, names in _GLOBALS.items() if role not in covered]
     if missing:
         raise RuntimeError(
-            f"selective_scan.hf: {MODULE} has none of {missing}; this transformers version "
+            f"selective_scan.hf: {module_name} has none of {missing}; this transformers version "
             "looks its Mamba kernels up under other names, so it cannot be patched"
         )
     for name, value in patched.items():
@@ -107,9 +107,9 @@ def patch_transformers() -> dict[str, Callable]:
     return patched
 
 
-def unpatch_transformers() -> list[str]:
+def unpatch_transformers(module_name: str = MODULE) -> list[str]:
     """Restore the globals ``patch_transformers`` replaced; returns their names."""
-    module = importlib.import_module(MODULE)
+    module = importlib.import_module(module_name)
     restored = list(_originals)
     for name, value in _originals.items():
         setattr(module, name, value)

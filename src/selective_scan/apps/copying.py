@@ -417,7 +417,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.exp(torch.zeros(1))
     # Compile caches are keyed without the ops' fake implementations: build from scratch.
     with torch._inductor.config.patch(force_disable_caches=True):
-        failures = run(args, sys.stdout)
+        return exit_status(run(args, sys.stdout))
+
+
+def exit_status(failures: list[str]) -> int:
+    """Report the failed checks on stderr (1), or that all passed (0)."""
     for failure in failures:
         print(f"FAILED: {failure}", file=sys.stderr)
     if failures:

@@ -290,6 +290,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"dynamic seqlen and are checked at {lengths}.")
     for mode, path in paths.items():
         print(f"{mode} file: {path.resolve()}")
+    return exit_status(rows)
+
+
+def exit_status(rows: list[Row]) -> int:
+    """Report the modes whose error is above its bound on stderr (1), or that all passed (0)."""
     failed = [r.mode for r in rows if not r.ok]
     if failed:
         print(f"FAILED: error above bound in {', '.join(failed)}", file=sys.stderr)

@@ -29,6 +29,7 @@ from torch import Tensor
 from .._checks import checkpoint_slots, compute_dtype, state_dtype
 from ..scan_args import ScanArgs
 from .common import cdiv, softplus_and_grad, tl_dtype
+from .launch import launch_kernel
 
 # Elements of a program's [BD, NP] state tile at most.
 TILE = 1024
@@ -305,8 +306,8 @@ def _tiles(args: ScanArgs) -> tuple[int, int]:
     return NP, BD
 
 
-def _common(args: ScanArgs, BD: int) -> tuple[dict, dict]:
-    """The tensors and scalars both kernels take, and their grid's options."""
+def _common(args: ScanArgs, BD: int) -> tuple[dict, dict, dict]:
+    """The tensors, scalars and options both kernels take."""
     u, delta, A, B, C, D, z, bias, _, _ = args.tensors
     dim = u.shape[1]
     Bv, B_group, s_B = _bc_arguments(B, dim)
@@ -329,7 +330,19 @@ def _common(args: ScanArgs, BD: int) -> tuple[dict, dict]:
     )  # fmt: skip
     options = dict(HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=bias is not None,
                    SOFTPLUS=args.delta_softplus, BD=BD, num_warps=4)  # fmt: skip
-    return tensors | scalars, options
+    return tensors, scalars, options
+
+
+# Launchers of eager calls (launch.Launcher: direct launches on CUDA tensors), by kernel and
+# every argument but the tensors; emptied when 256 are held, as the plan cache is.
+_LAUNCHERS: dict[tuple, object] = {}
+
+
+def _launch(kernel, grid: tuple, tensors: dict, scalars: dict, options: dict) -> None:
+    if len(_LAUNCHERS) >= 256:
+        _LAUNCHERS.clear()
+    key = (kernel, grid, *scalars.values(), *options.values())
+    launch_kernel(_LAUNCHERS, kernel, grid, tensors, scalars, options, key=key)
 
 
 def scan_fwd(args: ScanArgs, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -347,17 +360,18 @@ def scan_fwd(args: ScanArgs, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
     ckpt = u.new_zeros((batch, dim, checkpoint_slots(seqlen, chunk), dstate), dtype=sdt)
     last_r, ckpt_r = _real(last), _real(ckpt)
     h0_r = None if h0 is None else _real(h0.to(sdt))
-    arguments, options = _common(args, BD)
+    tensors, scalars, options = _common(args, BD)
+    tensors |= dict(h0_ptr=u.new_empty((0,)) if h0_r is None else h0_r, out_ptr=out,
+                    last_ptr=last_r, ckpt_ptr=ckpt_r)  # fmt: skip
     s_h = (0, 0, 0) if h0_r is None else h0_r.stride()[:3]
-    _complex_scan_fwd_kernel[(cdiv(dim, BD), batch)](
-        **arguments, h0_ptr=u.new_empty((0,)) if h0_r is None else h0_r, out_ptr=out,
-        last_ptr=last_r, ckpt_ptr=ckpt_r,
+    scalars |= dict(
         **dict(zip(("s_hb", "s_hd", "s_hn"), s_h, strict=True)),
         **dict(zip(("s_ob", "s_od", "s_ot"), out.stride(), strict=True)),
         **dict(zip(("s_lb", "s_ld", "s_ln"), last_r.stride()[:3], strict=True)),
         **dict(zip(("s_kb", "s_kd", "s_kc", "s_kn"), ckpt_r.stride()[:4], strict=True)),
-        **options, DSTATE=dstate, NP=NP, CHUNK=chunk, HAS_H0=h0 is not None, ACC=tl_dtype(cdt),
     )  # fmt: skip
+    options |= dict(DSTATE=dstate, NP=NP, CHUNK=chunk, HAS_H0=h0 is not None, ACC=tl_dtype(cdt))
+    _launch(_complex_scan_fwd_kernel, (cdiv(dim, BD), batch, 1), tensors, scalars, options)
     return out, last, ckpt
 
 
@@ -404,18 +418,22 @@ def scan_bwd(dout: Tensor, dlast_state: Tensor | None, args: ScanArgs, checkpoin
     scratch = acc(batch, blocks, chunk + 1, BD, NP, 2)
     dlast = None if dlast_state is None else _real(dlast_state.to(sdt))
     ckpt = _real(checkpoints)
-    arguments, options = _common(args, BD)
-    s_l = (0, 0, 0) if dlast is None else dlast.stride()[:3]
-    _complex_scan_bwd_kernel[(blocks, batch)](
-        **arguments, dout_ptr=dout, dlast_ptr=ckpt if dlast is None else dlast, ckpt_ptr=ckpt,
+    tensors, scalars, options = _common(args, BD)
+    tensors |= dict(
+        dout_ptr=dout, dlast_ptr=ckpt if dlast is None else dlast, ckpt_ptr=ckpt,
         scratch_ptr=scratch, du_ptr=du, ddelta_ptr=ddelta, dz_ptr=dz, dA_ptr=dA, dB_ptr=dB,
         dC_ptr=dC, dD_ptr=dD, dbias_ptr=dbias, dh0_ptr=dh0,
+    )  # fmt: skip
+    s_l = (0, 0, 0) if dlast is None else dlast.stride()[:3]
+    scalars |= dict(
         **dict(zip(("s_gb", "s_gd", "s_gt"), dout.stride(), strict=True)),
         **dict(zip(("s_lb", "s_ld", "s_ln"), s_l, strict=True)),
         **dict(zip(("s_kb", "s_kd", "s_kc", "s_kn"), ckpt.stride()[:4], strict=True)),
-        **options, DSTATE=dstate, NP=NP, CHUNK=chunk, HAS_H0=h0 is not None,
-        HAS_DLAST=dlast is not None, B_VAR=B.dim() > 2, C_VAR=C.dim() > 2, ACC=tl_dtype(cdt),
     )  # fmt: skip
+    options |= dict(DSTATE=dstate, NP=NP, CHUNK=chunk, HAS_H0=h0 is not None,
+                    HAS_DLAST=dlast is not None, B_VAR=B.dim() > 2, C_VAR=C.dim() > 2,
+                    ACC=tl_dtype(cdt))  # fmt: skip
+    _launch(_complex_scan_bwd_kernel, (blocks, batch, 1), tensors, scalars, options)
 
     def empty():
         return u.new_empty((0,))

@@ -20,6 +20,7 @@ inference graph never reads it, and unless the model returns it the optimizer re
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import onnx_ir as ir
@@ -49,14 +50,15 @@ from ._graph import (
 # to 32 within 5% (75-79 ms), the per-step work dominating.
 CHUNK_ELEMENTS = 1 << 16
 MAX_CHUNK = 32
-# A fixed chunk length instead of the rule (tests and benchmarks set it).
-CHUNK: int | None = None
+# A fixed chunk length instead of the rule, read at export (tests and benchmarks set it).
+CHUNK_VARIABLE = "SELECTIVE_SCAN_ONNX_CHUNK"
 
 
 def chunk_length(dim: int, dstate: int) -> int:
-    """Steps per chunk for a scan of dim channels and dstate states (CHUNK when set)."""
-    if CHUNK is not None:
-        return CHUNK
+    """Steps per chunk for a scan of dim channels and dstate states ($SELECTIVE_SCAN_ONNX_CHUNK
+    when set)."""
+    if fixed := os.environ.get(CHUNK_VARIABLE):
+        return int(fixed)
     steps = 1
     while 2 * steps <= MAX_CHUNK and 2 * steps * dim * dstate <= CHUNK_ELEMENTS:
         steps *= 2
