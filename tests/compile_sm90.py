@@ -1,7 +1,8 @@
 """Compile the scan kernels for sm_90 at the configurations given as JSON (make_inputs
-arguments, dtype by name): prints one line per configuration, exits 1 if any failed. A
-configuration also fails when a kernel scans (tl.associative_scan, tl.cumsum) a tensor whose
-layout Triton got wrong on the H200 (see scan_layout_faults).
+arguments, or with "complex": true test_complex's complex_inputs arguments; dtype by name):
+prints one line per configuration, exits 1 if any failed. A configuration also fails when a
+kernel scans (tl.associative_scan, tl.cumsum) a tensor whose layout Triton got wrong on the
+H200 (see scan_layout_faults).
 
 Run by test_sm90_compile.py in a process of its own: the compiler needs the real @triton.jit
 kernels, and the test session decorates them for the interpreter (TRITON_INTERPRET=1).
@@ -15,8 +16,12 @@ import sys
 
 import torch
 from helpers import make_inputs
+from test_complex import complex_inputs
 
-from selective_scan.kernels.offline import compile_sm90, scan_launches
+from selective_scan.cpu import CHUNK
+from selective_scan.kernels import complex_scan
+from selective_scan.kernels.offline import compile_sm90, record_launches, scan_launches
+from selective_scan.scan_args import ScanArgs
 
 LAYOUT = re.compile(r"^(#blocked\d*) = #ttg\.blocked<\{(.*?)\}>", re.M)
 SCAN = re.compile(r'"tt\.scan".*?axis = (\d+).*?\}\) : \(tensor<([\dx]+)x\w+, (#blocked\d*)>', re.S)
@@ -51,13 +56,32 @@ def scan_layout_faults(ttgir: str) -> list[str]:
     return faults
 
 
+def complex_launches(case: dict) -> list[tuple]:
+    """The launches of a forward and a backward of the complex kernels (kernels/complex_scan.py)
+    on test_complex's inputs (complex_inputs arguments; dtype by name)."""
+    x = complex_inputs(**dict(case, dtype=getattr(torch, case["dtype"])))
+    args = ScanArgs(**x, cu_seqlens=None, delta_softplus=True)
+
+    def both_directions():
+        out, last, checkpoints = complex_scan.scan_fwd(args, CHUNK)
+        complex_scan.scan_bwd(torch.randn_like(out), torch.randn_like(last), args, checkpoints,
+                              CHUNK)  # fmt: skip
+
+    return record_launches(both_directions)
+
+
 def compile_case(case: dict) -> list[str]:
-    """Compile every launch of a forward and a backward of the case; the kernels' names.
-    Raises if a kernel's scans are laid out as scan_layout_faults rejects."""
-    kwargs = dict(case, dtype=getattr(torch, case["dtype"]), device="cpu")
-    inputs = make_inputs(**kwargs)
+    """Compile every launch of a forward and a backward of the case (complex A where it says
+    "complex"); the kernels' names. Raises if a kernel's scans are laid out as
+    scan_layout_faults rejects."""
+    case = dict(case)
+    if case.pop("complex", False):
+        launches = complex_launches(case)
+    else:
+        inputs = make_inputs(**dict(case, dtype=getattr(torch, case["dtype"]), device="cpu"))
+        launches = scan_launches(inputs, delta_softplus=True)
     names = []
-    for kernel, _, kwargs, _ in scan_launches(inputs, delta_softplus=True):
+    for kernel, _, kwargs, _ in launches:
         compiled = compile_sm90(kernel, kwargs)
         local = f"(LOCAL={kwargs['LOCAL']})" if "LOCAL" in kwargs else ""
         name = kernel.__name__ + local

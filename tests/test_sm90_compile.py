@@ -39,6 +39,9 @@ CASES = [
     # (the earlier tiles held 64 to 128 a thread; with 64 states, 16 to 64 a thread, a case like
     # this compiled in 4.6 minutes).
     dict(batch=1, dim=4, dstate=256, seqlen=1024, dtype="bfloat16"),
+    # Complex A's kernels: float32 and float64, each form of B/C, padded states.
+    dict(complex=True, form_b="variable", form_c="constant", dstate=5, seqlen=70, dtype="float32"),
+    dict(complex=True, form_b="grouped", form_c="variable", dstate=3, seqlen=9, dtype="float64"),
 ]
 
 
@@ -54,3 +57,4 @@ def test_kernels_compile_for_sm90():
     assert result.stdout.count("ok ") == len(CASES), report
     assert "LOCAL=True" in result.stdout, report  # the ranges case reached the local pass
     assert result.stdout.count("_scan_fwd_lanes_kernel") == 2, report
+    assert result.stdout.count("_complex_scan_bwd_kernel") == 2, report
