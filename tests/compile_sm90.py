@@ -15,8 +15,7 @@ import re
 import sys
 
 import torch
-from helpers import make_inputs
-from test_complex import complex_inputs
+from helpers import complex_inputs, make_inputs
 
 from selective_scan.cpu import CHUNK
 from selective_scan.kernels import complex_scan

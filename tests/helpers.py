@@ -235,3 +235,37 @@ class RecordOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(func)
         return func(*args, **(kwargs or {}))
+
+
+def complex_inputs(form_b="variable", form_c="constant", batch=2, dim=4, dstate=3, seqlen=9,
+                   dtype=torch.float64, seed=0) -> dict:  # fmt: skip
+    """Fresh inputs with complex A (negative real parts): constant B/C complex (dim, dstate),
+    variable ones real (batch, [2 groups,] dstate, 2 * seqlen), parts interleaved in time."""
+    gen = torch.Generator().manual_seed(seed)
+    cdt = torch.complex128 if dtype == torch.float64 else torch.complex64
+
+    def real(*shape, kind=torch.randn):
+        return kind(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    def bc(form):
+        if form == "constant":
+            return torch.randn(dim, dstate, generator=gen, dtype=torch.complex128).to(cdt)
+        shape = (
+            (batch, dstate, 2 * seqlen) if form == "variable" else (batch, 2, dstate, 2 * seqlen)
+        )
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    f64, c128 = torch.float64, torch.complex128
+    A = torch.complex(-0.5 * torch.rand(dim, dstate, generator=gen, dtype=f64) - 0.1,
+                      torch.randn(dim, dstate, generator=gen, dtype=f64)).to(cdt)  # fmt: skip
+    return dict(
+        u=real(batch, dim, seqlen),
+        delta=0.5 * real(batch, dim, seqlen, kind=torch.rand),
+        A=A,
+        B=bc(form_b),
+        C=bc(form_c),
+        D=real(dim),
+        z=real(batch, dim, seqlen),
+        delta_bias=0.5 * real(dim, kind=torch.rand),
+        initial_state=torch.randn(batch, dim, dstate, generator=gen, dtype=c128).to(cdt),
+    )

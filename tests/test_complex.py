@@ -8,45 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import BACKENDS, TRITON_RUNS
+from helpers import complex_inputs
 from torch.library import opcheck
 
 from selective_scan import mamba_inner_fn, ops, selective_scan_fn, selective_scan_ref
 from selective_scan.kernels.launch import recording
 
 F64, C128 = torch.float64, torch.complex128
-
-
-def complex_inputs(form_b="variable", form_c="constant", batch=2, dim=4, dstate=3, seqlen=9,
-                   dtype=F64, seed=0) -> dict:  # fmt: skip
-    """Fresh inputs with complex A (negative real parts): constant B/C complex (dim, dstate),
-    variable ones real (batch, [2 groups,] dstate, 2 * seqlen), parts interleaved in time."""
-    gen = torch.Generator().manual_seed(seed)
-    cdt = torch.complex128 if dtype == F64 else torch.complex64
-
-    def real(*shape, kind=torch.randn):
-        return kind(*shape, generator=gen, dtype=F64).to(dtype)
-
-    def bc(form):
-        if form == "constant":
-            return torch.randn(dim, dstate, generator=gen, dtype=C128).to(cdt)
-        shape = (
-            (batch, dstate, 2 * seqlen) if form == "variable" else (batch, 2, dstate, 2 * seqlen)
-        )
-        return torch.randn(*shape, generator=gen, dtype=F64).to(dtype)
-
-    A = torch.complex(-0.5 * torch.rand(dim, dstate, generator=gen, dtype=F64) - 0.1,
-                      torch.randn(dim, dstate, generator=gen, dtype=F64)).to(cdt)  # fmt: skip
-    return dict(
-        u=real(batch, dim, seqlen),
-        delta=0.5 * real(batch, dim, seqlen, kind=torch.rand),
-        A=A,
-        B=bc(form_b),
-        C=bc(form_c),
-        D=real(dim),
-        z=real(batch, dim, seqlen),
-        delta_bias=0.5 * real(dim, kind=torch.rand),
-        initial_state=torch.randn(batch, dim, dstate, generator=gen, dtype=C128).to(cdt),
-    )
 
 
 def loop_oracle(x: dict) -> tuple:
@@ -134,6 +102,38 @@ def test_kernels_match_the_torch_code(form_b, form_c, options, monkeypatch):
     for name, got, want in zip(["out", "last", *names], results["triton"], results["torch"],
                                strict=True):  # fmt: skip
         torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11, msg=name)
+
+
+@pytest.mark.usefixtures("poison_uninitialized")
+def test_kernels_match_the_torch_code_in_float32_and_bfloat16(monkeypatch):
+    """float32 then bfloat16 inputs of one shape in one process (a launcher compiled for one
+    dtype must not serve the other), channels-last u, delta and z, several blocks of channels,
+    17 states (padded to 32), constant C and grouped B: the kernels against the PyTorch code,
+    both computing in float32."""
+    if not TRITON_RUNS:
+        pytest.skip("needs triton on a GPU or under the interpreter")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    base = complex_inputs("grouped", "constant", dim=40, dstate=17, seqlen=70,
+                          dtype=torch.float32)  # fmt: skip
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        x = {k: v.to(device) for k, v in base.items()}
+        for name in ("u", "delta", "z"):  # (batch, dim, seqlen) views of (batch, seqlen, dim)
+            x[name] = x[name].to(dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        x["B"] = x["B"].to(dtype)
+        results = {}
+        for backend in ("torch", "triton"):
+            monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", backend)
+            leaves = {k: v.detach().clone().requires_grad_(True) for k, v in x.items()}
+            out, last = selective_scan_fn(**leaves, delta_softplus=True, return_last_state=True)
+            gen = torch.Generator().manual_seed(1)
+            w = torch.randn(out.shape, generator=gen).to(device)
+            loss = (out.float() * w).sum() + last.abs().sum()
+            results[backend] = (out, last, *torch.autograd.grad(loss, list(leaves.values())))
+        names = ["out", "last", *x]
+        for name, got, want in zip(names, results["triton"], results["torch"], strict=True):
+            assert got.dtype == want.dtype, name
+            err = (got - want).abs().max() / want.abs().max()
+            assert err < tol, f"{dtype} {name}: relative error {err:.2e}"
 
 
 def test_float32_matches_oracle(backend):

@@ -119,6 +119,13 @@ def test_scan_matches_eager(case, tmp_path):
             assert_rel_close(f"{name} at {batch}x{seqlen}", a, e)
 
 
+@pytest.mark.parametrize("value", ["0", "-3", "x"])
+def test_chunk_length_variable_must_be_positive(value, monkeypatch):
+    monkeypatch.setenv(onnx_scan.CHUNK_VARIABLE, value)
+    with pytest.raises(ValueError, match="must be a positive integer"):
+        onnx_scan.chunk_length(8, 4)
+
+
 @pytest.mark.parametrize("chunk", [1, 5, 64])
 def test_chunk_lengths_agree(chunk, tmp_path, monkeypatch):
     """A per-step Scan (chunk 1), a chunk that does not divide the length, a chunk longer

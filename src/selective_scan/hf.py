@@ -38,7 +38,7 @@ _GLOBALS = {
     "causal_conv1d_update": ("causal_conv1d_update",),
 }
 # The module's globals as they were before the first patch, to restore them.
-_originals: dict[str, object] = {}
+_originals: dict[str, dict[str, object]] = {}  # module name -> {global name: original}
 
 
 def _declared_kwargs_only(fn: Callable) -> Callable:
@@ -101,8 +101,9 @@ def patch_transformers(module_name: str = MODULE) -> dict[str, Callable]:
             f"selective_scan.hf: {module_name} has none of {missing}; this transformers version "
             "looks its Mamba kernels up under other names, so it cannot be patched"
         )
+    originals = _originals.setdefault(module_name, {})
     for name, value in patched.items():
-        _originals.setdefault(name, getattr(module, name))
+        originals.setdefault(name, getattr(module, name))
         setattr(module, name, value)
     return patched
 
@@ -110,8 +111,7 @@ def patch_transformers(module_name: str = MODULE) -> dict[str, Callable]:
 def unpatch_transformers(module_name: str = MODULE) -> list[str]:
     """Restore the globals ``patch_transformers`` replaced; returns their names."""
     module = importlib.import_module(module_name)
-    restored = list(_originals)
-    for name, value in _originals.items():
+    originals = _originals.pop(module_name, {})
+    for name, value in originals.items():
         setattr(module, name, value)
-    _originals.clear()
-    return restored
+    return list(originals)

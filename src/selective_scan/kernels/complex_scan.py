@@ -14,7 +14,10 @@ chunk's checkpoint into a scratch buffer of its own, then runs the adjoint recur
 through the chunk. Sums over channels (variable dB, dC) are a program's partials over channels
 of one group, summed by torch in a fixed order; sums over time (dA, constant dB/dC, dD,
 ddelta_bias) are kept per sequence and summed over the batch afterwards: deterministic.
-Written for correctness, not speed: no tiling in time, no lanes.
+Written for correctness, not speed: no tiling in time, no lanes. Memory while the backward
+runs: the variable dB/dC partials, batch * ceil(dim / BD) * NP * seqlen * 2 values each in the
+compute dtype (BD channels a program, 1 where a group has an odd number of channels), and the
+scratch, batch * dim * (chunk + 1) * NP * 2.
 """
 
 from __future__ import annotations
@@ -99,8 +102,10 @@ def _complex_scan_fwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(1).to(tl.int64)
-    ch = tl.program_id(0).to(tl.int64) * BD + tl.arange(0, BD)  # [BD]
+    blocks = tl.cdiv(dim, BD)
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // blocks  # sequences on axis 0 with the blocks: no 65,535-program limit
+    ch = (pid % blocks) * BD + tl.arange(0, BD)  # [BD]
     n = tl.arange(0, NP)[None, :].to(tl.int64)  # [1, NP]
     row = ch < dim
     mask = row[:, None] & (n < DSTATE)  # [BD, NP]
@@ -121,7 +126,8 @@ def _complex_scan_fwd_kernel(
         b * s_ob + ch * s_od,
     )
     ckpt_off = b * s_kb + rows * s_kd + n * s_kn
-    for t in range(seqlen):
+    # int64 steps: a step times a stride passes 2^31 in long channels-last rows.
+    for t in tl.range(b * 0, b * 0 + seqlen):
         if t % CHUNK == 0:  # the state entering each chunk
             _store_pair(ckpt_ptr, ckpt_off + (t // CHUNK) * s_kc, hr, hi, mask)
         uu, dt, _ = _step_inputs(u_ptr, delta_ptr, bias, row_u, row_d, t, s_ut, s_dt, row,
@@ -159,9 +165,9 @@ def _complex_scan_bwd_kernel(
     # inputs' dtypes; dA and constant dB/dC (batch, dim, NP, 2) per sequence; variable dB/dC
     # (batch, blocks, NP, seqlen, 2) per block of BD channels (of one group); dD, ddelta_bias
     # (batch, dim); dh0 (batch, dim, NP, 2). Scratch: (batch, blocks, CHUNK + 1, BD, NP, 2).
-    blk = tl.program_id(0).to(tl.int64)
-    b = tl.program_id(1).to(tl.int64)
-    blocks = tl.num_programs(0)
+    blocks = tl.cdiv(dim, BD)
+    pid = tl.program_id(0).to(tl.int64)
+    blk, b = pid % blocks, pid // blocks
     ch = blk * BD + tl.arange(0, BD)
     n = tl.arange(0, NP)[None, :].to(tl.int64)
     row = ch < dim
@@ -192,7 +198,7 @@ def _complex_scan_bwd_kernel(
     n_chunks = tl.cdiv(seqlen, CHUNK)
     for c_rev in range(n_chunks):
         c = n_chunks - 1 - c_rev
-        t0 = c * CHUNK
+        t0 = b * 0 + c * CHUNK  # int64, as the forward's steps
         steps = tl.minimum(seqlen - t0, CHUNK)
         hr, hi = _load_pair(ckpt_ptr, ckpt_off + c * s_kc, 1, mask, ACC)
         _store_pair(scratch, tile, hr, hi, mask)
@@ -333,15 +339,17 @@ def _common(args: ScanArgs, BD: int) -> tuple[dict, dict, dict]:
     return tensors, scalars, options
 
 
-# Launchers of eager calls (launch.Launcher: direct launches on CUDA tensors), by kernel and
-# every argument but the tensors; emptied when 256 are held, as the plan cache is.
+# Launchers of eager calls (launch.Launcher: direct launches on CUDA tensors), by kernel, the
+# tensors' dtypes (a Launcher tells its compiled kernels apart by device and alignment only) and
+# every other argument; emptied when 256 are held, as the plan cache is.
 _LAUNCHERS: dict[tuple, object] = {}
 
 
 def _launch(kernel, grid: tuple, tensors: dict, scalars: dict, options: dict) -> None:
     if len(_LAUNCHERS) >= 256:
         _LAUNCHERS.clear()
-    key = (kernel, grid, *scalars.values(), *options.values())
+    dtypes = [t.dtype for t in tensors.values()]
+    key = (kernel, grid, *dtypes, *scalars.values(), *options.values())
     launch_kernel(_LAUNCHERS, kernel, grid, tensors, scalars, options, key=key)
 
 
@@ -371,7 +379,7 @@ def scan_fwd(args: ScanArgs, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
         **dict(zip(("s_kb", "s_kd", "s_kc", "s_kn"), ckpt_r.stride()[:4], strict=True)),
     )  # fmt: skip
     options |= dict(DSTATE=dstate, NP=NP, CHUNK=chunk, HAS_H0=h0 is not None, ACC=tl_dtype(cdt))
-    _launch(_complex_scan_fwd_kernel, (cdiv(dim, BD), batch, 1), tensors, scalars, options)
+    _launch(_complex_scan_fwd_kernel, (cdiv(dim, BD) * batch, 1, 1), tensors, scalars, options)
     return out, last, ckpt
 
 
@@ -433,7 +441,7 @@ def scan_bwd(dout: Tensor, dlast_state: Tensor | None, args: ScanArgs, checkpoin
     options |= dict(DSTATE=dstate, NP=NP, CHUNK=chunk, HAS_H0=h0 is not None,
                     HAS_DLAST=dlast is not None, B_VAR=B.dim() > 2, C_VAR=C.dim() > 2,
                     ACC=tl_dtype(cdt))  # fmt: skip
-    _launch(_complex_scan_bwd_kernel, (blocks, batch, 1), tensors, scalars, options)
+    _launch(_complex_scan_bwd_kernel, (blocks * batch, 1, 1), tensors, scalars, options)
 
     def empty():
         return u.new_empty((0,))

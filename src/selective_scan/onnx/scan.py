@@ -58,6 +58,9 @@ def chunk_length(dim: int, dstate: int) -> int:
     """Steps per chunk for a scan of dim channels and dstate states ($SELECTIVE_SCAN_ONNX_CHUNK
     when set)."""
     if fixed := os.environ.get(CHUNK_VARIABLE):
+        if not fixed.isdigit() or int(fixed) < 1:
+            raise ValueError(f"selective_scan: {CHUNK_VARIABLE} must be a positive integer, got "
+                             f"{fixed!r}")  # fmt: skip
         return int(fixed)
     steps = 1
     while 2 * steps <= MAX_CHUNK and 2 * steps * dim * dstate <= CHUNK_ELEMENTS:
