@@ -46,6 +46,31 @@ def _load_pair(ptr, off, im, mask, ACC: tl.constexpr):
 
 
 @triton.jit
+def _pair_or_zeros(ptr, off, mask, PRESENT: tl.constexpr, ACC: tl.constexpr):
+    """A complex state's (real, imaginary) parts at ptr + off (adjacent), or zeros where absent."""
+    if PRESENT:
+        re, im = _load_pair(ptr, off, 1, mask, ACC)
+    else:
+        re = tl.zeros(mask.shape, ACC)
+        im = tl.zeros(mask.shape, ACC)
+    return re, im
+
+
+@triton.jit
+def _program_tile(dim, BD: tl.constexpr, NP: tl.constexpr, DSTATE: tl.constexpr):
+    """(block, sequence, channels [BD], states [1, NP], channels in range [BD], elements in
+    range [BD, NP]) of this program. Sequences share axis 0 with the blocks of channels: no
+    65,535-program limit on the batch."""
+    blocks = tl.cdiv(dim, BD)
+    pid = tl.program_id(0).to(tl.int64)
+    blk, b = pid % blocks, pid // blocks
+    ch = blk * BD + tl.arange(0, BD)
+    n = tl.arange(0, NP)[None, :].to(tl.int64)
+    row = ch < dim
+    return blk, b, ch, n, row, row[:, None] & (n < DSTATE)
+
+
+@triton.jit
 def _store_pair(ptr, off, re, im, mask):
     tl.store(ptr + off, re, mask=mask)
     tl.store(ptr + off + 1, im, mask=mask)
@@ -102,23 +127,13 @@ def _complex_scan_fwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_H0: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    blocks = tl.cdiv(dim, BD)
-    pid = tl.program_id(0).to(tl.int64)
-    b = pid // blocks  # sequences on axis 0 with the blocks: no 65,535-program limit
-    ch = (pid % blocks) * BD + tl.arange(0, BD)  # [BD]
-    n = tl.arange(0, NP)[None, :].to(tl.int64)  # [1, NP]
-    row = ch < dim
-    mask = row[:, None] & (n < DSTATE)  # [BD, NP]
+    _blk, b, ch, n, row, mask = _program_tile(dim, BD, NP, DSTATE)
     rows = ch[:, None]
     Ar, Ai, B_off, C_off, bias, Dv = _channel_constants(
         A_ptr, D_ptr, bias_ptr, b, ch, n, row, mask, B_group, C_group, s_Ad, s_An, s_Bb, s_Bg,
         s_Bd, s_Bn, s_Cb, s_Cg, s_Cd, s_Cn, s_D, s_bias, HAS_D, HAS_BIAS, ACC,
     )  # fmt: skip
-    if HAS_H0:
-        hr, hi = _load_pair(h0_ptr, b * s_hb + rows * s_hd + n * s_hn, 1, mask, ACC)
-    else:
-        hr = tl.zeros((BD, NP), ACC)
-        hi = tl.zeros((BD, NP), ACC)
+    hr, hi = _pair_or_zeros(h0_ptr, b * s_hb + rows * s_hd + n * s_hn, mask, HAS_H0, ACC)
     row_u, row_d, row_z, row_o = (
         b * s_ub + ch * s_ud,
         b * s_db + ch * s_dd,
@@ -165,23 +180,14 @@ def _complex_scan_bwd_kernel(
     # inputs' dtypes; dA and constant dB/dC (batch, dim, NP, 2) per sequence; variable dB/dC
     # (batch, blocks, NP, seqlen, 2) per block of BD channels (of one group); dD, ddelta_bias
     # (batch, dim); dh0 (batch, dim, NP, 2). Scratch: (batch, blocks, CHUNK + 1, BD, NP, 2).
+    blk, b, ch, n, row, mask = _program_tile(dim, BD, NP, DSTATE)
     blocks = tl.cdiv(dim, BD)
-    pid = tl.program_id(0).to(tl.int64)
-    blk, b = pid % blocks, pid // blocks
-    ch = blk * BD + tl.arange(0, BD)
-    n = tl.arange(0, NP)[None, :].to(tl.int64)
-    row = ch < dim
-    mask = row[:, None] & (n < DSTATE)
     rows = ch[:, None]
     Ar, Ai, B_off, C_off, bias, Dv = _channel_constants(
         A_ptr, D_ptr, bias_ptr, b, ch, n, row, mask, B_group, C_group, s_Ad, s_An, s_Bb, s_Bg,
         s_Bd, s_Bn, s_Cb, s_Cg, s_Cd, s_Cn, s_D, s_bias, HAS_D, HAS_BIAS, ACC,
     )  # fmt: skip
-    if HAS_DLAST:
-        gr, gi = _load_pair(dlast_ptr, b * s_lb + rows * s_ld + n * s_ln, 1, mask, ACC)
-    else:
-        gr = tl.zeros((BD, NP), ACC)
-        gi = tl.zeros((BD, NP), ACC)
+    gr, gi = _pair_or_zeros(dlast_ptr, b * s_lb + rows * s_ld + n * s_ln, mask, HAS_DLAST, ACC)
     zero = tl.zeros((BD, NP), ACC)
     dAr, dAi, dBr, dBi, dCr, dCi = zero, zero, zero, zero, zero, zero
     dD = tl.zeros((BD,), ACC)
