@@ -38,10 +38,12 @@ def _steps(t: Tensor | None, t0: int, t1: int, interleaved: bool = False) -> Ten
 def _kernels(u: Tensor):
     """kernels/complex_scan.py where the Triton backend is chosen for inputs like u, else
     None. (Imported here: interface imports the ops, which import this module.)"""
+    from . import ops
     from .interface import use_triton
 
     if not use_triton(u):
         return None
+    ops.triton_ops()  # a clear error where SELECTIVE_SCAN_BACKEND=triton but triton is missing
     from .kernels import complex_scan
 
     return complex_scan
