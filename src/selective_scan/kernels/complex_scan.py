@@ -77,17 +77,36 @@ def _store_pair(ptr, off, re, im, mask):
 
 
 @triton.jit
-def _step_inputs(u_ptr, delta_ptr, bias, row_u, row_d, t, s_ut, s_dt, row,
-                 HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
-    """(u_t, delta_t after bias and softplus, softplus' derivative) of the tile's rows, [BD]."""
+def _decay(dt, Ar, Ai):
+    """exp(delta_t A) as (real, imaginary), [BD, NP]."""
+    mag = tl.exp(dt[:, None] * Ar)
+    angle = dt[:, None] * Ai
+    return mag * tl.cos(angle), mag * tl.sin(angle)
+
+
+@triton.jit
+def _step(u_ptr, delta_ptr, B_ptr, bias, Ar, Ai, row_u, row_d, B_off, t, s_ut, s_dt, s_Bt, s_Bi,
+          row, mask, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+          ACC: tl.constexpr):  # fmt: skip
+    """Step t of the tile's rows, what the forward and both passes of the backward read: u_t,
+    delta_t after bias and softplus, softplus' derivative [BD]; exp(delta_t A) (real,
+    imaginary), B_t (real, imaginary) [BD, NP]; delta_t u_t [BD, 1]."""
     uu = tl.load(u_ptr + row_u + t * s_ut, mask=row, other=0.0).to(ACC)
     dt = tl.load(delta_ptr + row_d + t * s_dt, mask=row, other=0.0).to(ACC)
     if HAS_BIAS:
         dt += bias
-    grad = tl.full(dt.shape, 1.0, ACC)
+    dsoft = tl.full(dt.shape, 1.0, ACC)
     if SOFTPLUS:
-        dt, grad = softplus_and_grad(dt, False)
-    return uu, dt, grad
+        dt, dsoft = softplus_and_grad(dt, False)
+    ar, ai = _decay(dt, Ar, Ai)
+    Br, Bi = _load_pair(B_ptr, B_off + t * s_Bt, s_Bi, mask, ACC)
+    return uu, dt, dsoft, ar, ai, Br, Bi, (dt * uu)[:, None]
+
+
+@triton.jit
+def _advance(hr, hi, ar, ai, Br, Bi, x):
+    """h_t = exp(delta_t A) h_{t-1} + delta_t u_t B_t, as (real, imaginary) [BD, NP]."""
+    return ar * hr - ai * hi + x * Br, ar * hi + ai * hr + x * Bi
 
 
 @triton.jit
@@ -105,14 +124,6 @@ def _channel_constants(A_ptr, D_ptr, bias_ptr, b, ch, n, row, mask, B_group, C_g
     bias = tl.load(bias_ptr + ch * s_bias, mask=row, other=0.0).to(ACC) if HAS_BIAS else 0.0
     Dv = tl.load(D_ptr + ch * s_D, mask=row, other=0.0).to(ACC) if HAS_D else 0.0
     return Ar, Ai, B_off, C_off, bias, Dv
-
-
-@triton.jit
-def _decay(dt, Ar, Ai):
-    """exp(delta_t A) as (real, imaginary), [BD, NP]."""
-    mag = tl.exp(dt[:, None] * Ar)
-    angle = dt[:, None] * Ai
-    return mag * tl.cos(angle), mag * tl.sin(angle)
 
 
 @triton.jit
@@ -145,12 +156,11 @@ def _complex_scan_fwd_kernel(
     for t in tl.range(b * 0, b * 0 + seqlen):
         if t % CHUNK == 0:  # the state entering each chunk
             _store_pair(ckpt_ptr, ckpt_off + (t // CHUNK) * s_kc, hr, hi, mask)
-        uu, dt, _ = _step_inputs(u_ptr, delta_ptr, bias, row_u, row_d, t, s_ut, s_dt, row,
-                                 HAS_BIAS, SOFTPLUS, ACC)  # fmt: skip
-        ar, ai = _decay(dt, Ar, Ai)
-        Br, Bi = _load_pair(B_ptr, B_off + t * s_Bt, s_Bi, mask, ACC)
-        x = (dt * uu)[:, None]
-        hr, hi = ar * hr - ai * hi + x * Br, ar * hi + ai * hr + x * Bi
+        uu, _, _, ar, ai, Br, Bi, x = _step(
+            u_ptr, delta_ptr, B_ptr, bias, Ar, Ai, row_u, row_d, B_off, t, s_ut, s_dt, s_Bt,
+            s_Bi, row, mask, HAS_BIAS, SOFTPLUS, ACC,
+        )  # fmt: skip
+        hr, hi = _advance(hr, hi, ar, ai, Br, Bi, x)
         Cr, Ci = _load_pair(C_ptr, C_off + t * s_Ct, s_Ci, mask, ACC)
         y = 2.0 * tl.sum(Cr * hr - Ci * hi, axis=1)
         if HAS_D:
@@ -210,12 +220,11 @@ def _complex_scan_bwd_kernel(
         _store_pair(scratch, tile, hr, hi, mask)
         for s in range(steps):
             t = t0 + s
-            uu, dt, _ = _step_inputs(u_ptr, delta_ptr, bias, row_u, row_d, t, s_ut, s_dt, row,
-                                     HAS_BIAS, SOFTPLUS, ACC)  # fmt: skip
-            ar, ai = _decay(dt, Ar, Ai)
-            Br, Bi = _load_pair(B_ptr, B_off + t * s_Bt, s_Bi, mask, ACC)
-            x = (dt * uu)[:, None]
-            hr, hi = ar * hr - ai * hi + x * Br, ar * hi + ai * hr + x * Bi
+            _, _, _, ar, ai, Br, Bi, x = _step(
+                u_ptr, delta_ptr, B_ptr, bias, Ar, Ai, row_u, row_d, B_off, t, s_ut, s_dt, s_Bt,
+                s_Bi, row, mask, HAS_BIAS, SOFTPLUS, ACC,
+            )  # fmt: skip
+            hr, hi = _advance(hr, hi, ar, ai, Br, Bi, x)
             _store_pair(scratch, tile + (s + 1) * BD * NP * 2, hr, hi, mask)
         tl.debug_barrier()  # the states are read back by other threads of the program
         for s_rev in range(steps):
@@ -223,10 +232,10 @@ def _complex_scan_bwd_kernel(
             t = t0 + s
             pr, pi = _load_pair(scratch, tile + s * BD * NP * 2, 1, mask, ACC)
             hr, hi = _load_pair(scratch, tile + (s + 1) * BD * NP * 2, 1, mask, ACC)
-            uu, dt, dsoft = _step_inputs(u_ptr, delta_ptr, bias, row_u, row_d, t, s_ut, s_dt,
-                                         row, HAS_BIAS, SOFTPLUS, ACC)  # fmt: skip
-            ar, ai = _decay(dt, Ar, Ai)
-            Br, Bi = _load_pair(B_ptr, B_off + t * s_Bt, s_Bi, mask, ACC)
+            uu, dt, dsoft, ar, ai, Br, Bi, x = _step(
+                u_ptr, delta_ptr, B_ptr, bias, Ar, Ai, row_u, row_d, B_off, t, s_ut, s_dt, s_Bt,
+                s_Bi, row, mask, HAS_BIAS, SOFTPLUS, ACC,
+            )  # fmt: skip
             Cr, Ci = _load_pair(C_ptr, C_off + t * s_Ct, s_Ci, mask, ACC)
             dpre = tl.load(dout_ptr + row_g + t * s_gt, mask=row, other=0.0).to(ACC)
             if HAS_Z:
@@ -241,7 +250,6 @@ def _complex_scan_bwd_kernel(
             two_dpre = 2.0 * dpre[:, None]
             gr += two_dpre * Cr  # g += 2 dpre conj(C_t)
             gi -= two_dpre * Ci
-            x = (dt * uu)[:, None]
             # dC_t = 2 dpre conj(h_t), dB_t = delta_t u_t g
             if C_VAR:
                 off = part_row + t * 2
