@@ -9,6 +9,7 @@ grid runs on the real kernels in test_gpu.py and, parametrized by backend, on a 
 """
 
 import itertools
+import math
 import types
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 from conftest import TRITON_RUNS
 from helpers import SCAN_INPUTS, RecordOps, float_inputs, make_inputs, oracle, rel_err
 from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
@@ -185,8 +187,25 @@ def plan_of(direction: str, inputs, policy=DEFAULT_POLICY) -> plan.ScanPlan:
 
 
 def blocked(B, C, T=4, NP=8) -> tuple:
-    """B and C blocked as the launchers block them (bc_layout, then bc_blocks), in float32."""
-    return layout.bc_blocks(layout.bc_layout(B, C, T, NP), B, C, torch.float32)
+    """B and C blocked as the launchers block them (bc_layout, then bc_blocks into carved
+    buffers), in float32, each variable one of real tensors shaped (batch, groups, tiles, NP,
+    T)."""
+    lay = layout.bc_layout(B, C, T, NP, torch.float32)
+    if lay is None:
+        return B, C
+    fake = is_fake(B)  # traced: buffers of their own, as the plans of traced calls give
+    buffers = (
+        common.fresh_buffers(B, lay.sizes) if fake else common.Carving(torch.float32, lay.sizes)(B)
+    )
+    out = layout.bc_blocks(lay, B, C, buffers)
+    shapes = iter(lay.shapes)
+    shaped = []
+    for t in out:  # constant B or C passes through; blocks are flat (kept so when traced)
+        if t.dim() == 1 and not fake:  # carved, at least as long as needed
+            shape = next(shapes)
+            t = t[: math.prod(shape)].view(shape)
+        shaped.append(t)
+    return tuple(shaped)
 
 
 def test_blocked_bc_layout():
@@ -235,7 +254,8 @@ def test_blocked_bc_outputs_distinct():
     launches = offline.record_launches(lambda: outputs.extend(blocked(const, grouped, 16, 4)))
     ((_, grid, kw, _),) = launches
     assert grid[2] == 1 and kw["B_ptr"] is kw["C_ptr"] is grouped  # one source, read as both
-    assert kw["Bb_ptr"] is outputs[1] and kw["Cb_ptr"].numel() == 0 and outputs[0] is const
+    assert kw["Bb_ptr"].data_ptr() == outputs[1].data_ptr() and outputs[0] is const
+    assert kw["Cb_ptr"].numel() == 0
 
 
 def test_align_modes():
@@ -282,7 +302,9 @@ def test_padded_rows(tiles, seqlen, layout, copied, rows, align):
     p = plan_of(tiles, [x.get(k) for k in SCAN_INPUTS])
     assert (p.copied[0], p.rows, p.flags["ALIGN"]) == (copied, rows, align)
     assert p.flags["WIDE"] == (rows != seqlen)
-    u = p.tensors(ScanArgs(*[x.get(k) for k in SCAN_INPUTS]))["u_ptr"]
+    u = p.tensors(ScanArgs(*[x.get(k) for k in SCAN_INPUTS]), p.scratch(x["u"], lambda: {}))[
+        "u_ptr"
+    ]
     T = p.cfg["T"]
     assert torch.equal(u, x["u"]) and (u.stride(1) % T == 0 or layout == "channels_last")
 
@@ -555,8 +577,8 @@ def test_pre_pass_writes_own_steps_only(monkeypatch):
     with recording(launch=True) as launches:
         selective_scan_fn(**inputs, delta_softplus=True)
     pre = next(kw["pre_ptr"] for kernel, _, kw, _ in launches if kernel is _scan_fwd_kernel)
-    pre = pre._base  # PRE's scratch: (1, 8, 160) for 150 steps
-    assert pre.shape[-1] == 160 and not pre[..., :150].isnan().any()
+    pre = pre[: 8 * 160].view(1, 8, 160)  # PRE's scratch (flat): rows of 160 for 150 steps
+    assert not pre[..., :150].isnan().any()
     assert pre[..., 150:].isnan().all()
 
 
@@ -818,11 +840,11 @@ def test_triton_backward_checks_its_own_inputs(position, change, match):
 
 
 def test_eager_forward_allocates_only_what_it_uses():
-    """The eager forward of one range without a PRE pass allocates its three outputs and the
-    B/C blocks, nothing more: its launches get the cached plan's empty tensor for the range
-    buffers and the PRE scratch they do not use, and the blocking launch its spare slot only
-    for one variable source (those allocations took 1-1.5 us of host time each, about a
-    tenth of a small eager call's). Launches are recorded, not run."""
+    """The eager forward of one range without a PRE pass allocates its three outputs and one
+    buffer that its B/C blocks are carved from, nothing more: its launches get the cached
+    plan's empty tensor for the range buffers and the PRE scratch they do not use (each
+    allocation costs more host time than a view, design §11). Launches are recorded, not
+    run."""
     x = make_inputs(device=DEVICE, batch=8, dim=1024, dstate=16, seqlen=64)  # 1024 warps
     inputs = [x[k] for k in SCAN_INPUTS[:8]]
     modes = [RecordOps(), RecordOps()]
@@ -835,4 +857,29 @@ def test_eager_forward_allocates_only_what_it_uses():
     flags = next(kw for kernel, _, kw, _ in launches if kernel is _scan_fwd_kernel)
     assert (flags["PRE"], flags["LOCAL"]) == (0, False)
     allocations = [op for op in modes[1].ops if "empty" in str(op)]
-    assert len(allocations) == 5, allocations  # out, last_state, checkpoints, B and C blocks
+    assert len(allocations) == 4, allocations  # out, last_state, checkpoints, B/C blocks
+
+
+def test_eager_backward_allocates_its_gradients_and_one_scratch():
+    """The eager backward allocates the gradients it returns (an empty one for each absent
+    input) and one buffer that its internal ones are carved from (partial sums, B/C blocks,
+    the chunks' scratch, range results): views starting at multiples of 256 bytes into it, as
+    aligned as allocations of their own. Launches are recorded, not run."""
+    x = make_inputs(device=DEVICE, batch=2, dim=64, dstate=16, seqlen=64, dtype=torch.bfloat16)
+    inputs = [x[k] for k in SCAN_INPUTS[:8]]
+    out, _, ckpt = scan.scan_fwd(*inputs, None, None, True)
+    modes = [RecordOps(), RecordOps()]
+
+    def backward(mode):
+        with mode:
+            scan.scan_bwd(torch.randn_like(out), None, *inputs, None, None, ckpt, True)
+
+    launches = offline.record_launches(lambda: [backward(mode) for mode in modes])
+    allocations = [op for op in modes[1].ops if "empty" in str(op)]
+    # du, ddelta, dz, the scratch, dA, dB, dC, dD, ddelta_bias, an empty dinitial_state
+    assert len(allocations) == 10, allocations
+    kw = next(kw for kernel, _, kw, _ in launches if kernel is _scan_bwd_kernel)
+    carved = [kw[k] for k in ("dA_ptr", "dB_ptr", "dC_ptr", "dD_ptr", "dbias_ptr", "scratch_ptr")]
+    (base,) = {t.untyped_storage().data_ptr() for t in carved}
+    assert all((t.data_ptr() - base) % common.CARVE_ALIGN == 0 for t in carved)
+    assert kw["dB_ptr"].dtype == torch.bfloat16 and kw["dA_ptr"].dtype == torch.float32

@@ -50,6 +50,43 @@ def tl_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+CARVE_ALIGN = 256  # bytes: where each carved buffer starts (Triton specializes on 16)
+
+
+class Carving:
+    """Flat buffers {name: (numel, dtype)} (ints), carved from one allocation of ``dtype`` for
+    each call (``carving(like)``: uninitialized, on like's device), each starting at a multiple
+    of CARVE_ALIGN bytes into it, as aligned as an allocation of its own. For what a call's
+    kernels write and read internally, never returned: an allocation costs more host time than
+    a view, and short eager calls wait on the host (design §11)."""
+
+    __slots__ = ("dtype", "lengths", "names", "retyped", "total")
+
+    def __init__(self, dtype: torch.dtype, sizes: dict):
+        self.dtype, self.names = dtype, tuple(sizes)
+        # Each buffer's length in units of dtype, rounded up to whole CARVE_ALIGN bytes.
+        self.lengths = [cdiv(n * dt.itemsize, CARVE_ALIGN) * (CARVE_ALIGN // dtype.itemsize)
+                        for n, dt in sizes.values()]  # fmt: skip
+        self.total = sum(self.lengths)
+        self.retyped = [(name, dt) for name, (_, dt) in sizes.items() if dt != dtype]
+
+    def __call__(self, like: Tensor) -> dict[str, Tensor]:
+        if not self.names:
+            return {}
+        whole = like.new_empty((self.total,), dtype=self.dtype)
+        buffers = dict(zip(self.names, whole.split_with_sizes(self.lengths), strict=True))
+        for name, dt in self.retyped:
+            buffers[name] = buffers[name].view(dt)
+        return buffers
+
+
+def fresh_buffers(like: Tensor, sizes: dict) -> dict[str, Tensor]:
+    """Flat uninitialized buffers {name: (numel, dtype)} on like's device, each an allocation
+    of its own: what traced calls take instead of a Carving, so that Inductor sees buffers
+    that are no views of one another."""
+    return {name: like.new_empty((n,), dtype=dt) for name, (n, dt) in sizes.items()}
+
+
 def fast_math(u: Tensor, cdt: torch.dtype) -> bool:
     """Whether kernels use MUFU approximations (inline PTX) for log and reciprocals: float32
     arithmetic on a GPU, never under the interpreter (which runs no PTX)."""

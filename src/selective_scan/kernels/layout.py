@@ -132,14 +132,15 @@ class BlockLayout(NamedTuple):
     plans keep (computing it is a large share of a small eager call's host time)."""
 
     shapes: list  # of the blocks, one per variable source
+    sizes: dict  # the block buffers (Bb, Cb) as common.carve takes them, in the compute dtype
     grid: tuple
     scalars: dict  # the launch's scalar arguments
     options: dict  # its constexprs but PDL
 
 
-def bc_layout(B: Tensor, C: Tensor, T: int, NP: int) -> BlockLayout | None:
-    """The BlockLayout of blocking B and C into tiles of T steps and NP states; None when
-    neither is variable."""
+def bc_layout(B: Tensor, C: Tensor, T: int, NP: int, dtype: torch.dtype) -> BlockLayout | None:
+    """The BlockLayout of blocking B and C into tiles of T steps and NP states, in dtype; None
+    when neither is variable."""
     var = [t for t in (B, C) if t.dim() > 2]
     if not var:
         return None
@@ -154,8 +155,14 @@ def bc_layout(B: Tensor, C: Tensor, T: int, NP: int) -> BlockLayout | None:
         s_b, s_g, s_n, s_t = t.stride()
         scalars |= {f"{name}_groups": t.shape[1], f"s_{name}b": s_b, f"s_{name}g": s_g,
                     f"s_{name}n": s_n, f"s_{name}t": s_t}  # fmt: skip
+    shapes = [(batch, t.shape[1], tiles, NP, T) for t in rows4]
+    # One source is read as both: its blocks are written once, to Bb; Cb is an empty spare (a
+    # tensor passed twice as a kernel's output is cloned twice when a traced call is
+    # functionalized, and the clone kept is the one never written).
+    numels = [batch * t.shape[1] * tiles * NP * T for t in rows4] + [0]
     return BlockLayout(
-        shapes=[(batch, t.shape[1], tiles, NP, T) for t in rows4],
+        shapes=shapes,
+        sizes={"Bb": (numels[0], dtype), "Cb": (numels[1], dtype)},
         grid=(batch * G, cdiv(tiles, TILES), len(var)),
         scalars=scalars,
         options=dict(NP=NP, T=T, TILES=TILES, num_warps=4),
@@ -163,25 +170,20 @@ def bc_layout(B: Tensor, C: Tensor, T: int, NP: int) -> BlockLayout | None:
 
 
 def bc_blocks(
-    layout: BlockLayout | None, B: Tensor, C: Tensor, dtype: torch.dtype, launchers=None,
-    pdl=False,
-) -> tuple:  # fmt: skip
-    """(B, C) with each variable one, (batch, [groups,] dstate, seqlen) with any strides, as
-    contiguous (batch, groups, bc_tiles(seqlen, T), NP, T) blocks in dtype, zero-padded in time
-    and states. ``layout``: ``bc_layout(B, C, T, NP)``. One launch for both
-    (kernels/bc_blocks.py), one pass over B and C. Constant B/C pass through."""
+    layout: BlockLayout | None, B: Tensor, C: Tensor, blocks: dict, launchers=None, pdl=False
+) -> tuple:
+    """(B, C) with each variable one, (batch, [groups,] dstate, seqlen) with any strides, written
+    into its buffer of ``blocks`` (flat, of ``layout.sizes``: "Bb" for the first variable one,
+    "Cb" for C when both are) as contiguous (batch, groups, bc_tiles(seqlen, T), NP, T) blocks,
+    zero-padded in time and states. ``layout``: ``bc_layout(B, C, T, NP, dtype)``. One launch
+    for both (kernels/bc_blocks.py), one pass over B and C. Constant B/C pass through."""
     if layout is None:
         return B, C
     var = [t for t in (B, C) if t.dim() > 2]
-    blocks = [var[0].new_empty(shape, dtype=dtype) for shape in layout.shapes]
-    # One source is read as both; its blocks are written once, the spare output slot gets an
-    # empty tensor: a tensor passed twice as a kernel's output is cloned twice when a traced
-    # call is functionalized, and the clone kept is the one never written.
-    second = blocks[1] if len(blocks) > 1 else blocks[0].new_empty((0,))
-    tensors = dict(B_ptr=var[0], C_ptr=var[-1], Bb_ptr=blocks[0], Cb_ptr=second)
+    tensors = dict(B_ptr=var[0], C_ptr=var[-1], Bb_ptr=blocks["Bb"], Cb_ptr=blocks["Cb"])
     launch_kernel(launchers, _bc_blocks_kernel, layout.grid, tensors, layout.scalars,
                   layout.options | {"PDL": pdl}, key=("bc", pdl))  # fmt: skip
-    made = iter(blocks)
+    made = iter((blocks["Bb"], blocks["Cb"]))
     return tuple(next(made) if t.dim() > 2 else t for t in (B, C))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 from collections import ChainMap
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -23,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import guard_int
 
 from .._checks import check_scan_inputs, compute_dtype
 from ..scan_args import ScanArgs
-from .common import cdiv, tl_dtype
+from .common import Carving, cdiv, fresh_buffers, tl_dtype
 from .launch import Launcher, is_plain_eager, launch_kernel
 from .layout import (
     ALIGN_CHECKED,
@@ -147,7 +148,7 @@ class ScanPlan:
         )  # fmt: skip
         # What the launches' ALIGN is decided on: the rows' length and where they start.
         self.align_sizes = (self.rows, *u_s[:2], *delta_s[:2], *z_s[:2])
-        self.bc_layout = None if lanes else bc_layout(B, C, T, self.NP)
+        self.bc_layout = None if lanes else bc_layout(B, C, T, self.NP, cdt)
         wide = varlen or pad
         fast = policy.uses_fast_math(u, cdt)
         self.flags = dict(
@@ -178,6 +179,9 @@ class ScanPlan:
         self.unused: Tensor | None = None
         # The backward's grad_sums launch (grid, scalars, constexprs), made at its first call.
         self.sums: tuple | None = None
+        # Eager plans: how their internal buffers are carved (``scratch``), made at the first
+        # call.
+        self.carving: Carving | None = None
 
     def align(self, wide: bool, sizes: tuple) -> int:
         """The ALIGN of a launch on rows of these sizes (layout.align_mode), or the policy's."""
@@ -193,12 +197,12 @@ class ScanPlan:
             return None
         return self.launchers
 
-    def tensors(self, args: ScanArgs, launchers=None, pdl=False) -> dict:
-        """The kernels' input tensors by parameter name: variable B/C pre-blocked (with this
-        call's launchers, letting the next launch start early with pdl), u, delta and z in
-        fresh rows where the plan says so, cu_seqlens dense."""
+    def tensors(self, args: ScanArgs, scratch: dict, launchers=None, pdl=False) -> dict:
+        """The kernels' input tensors by parameter name: variable B/C pre-blocked into the
+        call's ``scratch`` (with this call's launchers, letting the next launch start early with
+        pdl), u, delta and z in fresh rows where the plan says so, cu_seqlens dense."""
         u, delta, A, B, C, D, z, bias, h0, cu = args.tensors
-        B, C = bc_blocks(self.bc_layout, B, C, self.cdt, launchers, pdl)
+        B, C = bc_blocks(self.bc_layout, B, C, scratch, launchers, pdl)
         u, delta, z = (
             staged(t, self.layout) if copy else t
             for t, copy in zip((u, delta, z), self.copied, strict=True)
@@ -223,15 +227,29 @@ class ScanPlan:
         """A tensor for a buffer the launches do not use (its pointer is passed, never read)."""
         return u.new_empty((0,), dtype=self.cdt) if self.unused is None else self.unused
 
-    def range_buffers(self, u: Tensor) -> tuple[Tensor, Tensor]:
-        """The local launch's per-range results, states (ranges, sequences, dim, NP) and
-        sum(delta) (ranges, sequences, dim), as flat tensors the kernels index: with the range
-        count as a dimension, traced calls guarded on it (design §16)."""
-        if self.unused is not None and not may_exceed_one(self.n_ranges):  # read by none
-            return self.unused, self.unused
-        per_range = self.num_states * self.dim
-        h_local = u.new_empty((self.n_ranges * per_range * self.NP,), dtype=self.cdt)
-        return h_local, u.new_empty((self.n_ranges * per_range,), dtype=self.cdt)
+    def scratch(self, u: Tensor, sizes: Callable[[], dict]) -> dict[str, Tensor]:
+        """This call's internal buffers by name, flat and uninitialized: the B/C blocks ("Bb",
+        "Cb", layout.bc_blocks), the local launch's per-range results, states (ranges,
+        sequences, dim, NP) as "hloc" and sum(delta) (ranges, sequences, dim) as "dtsum", and
+        what the launcher adds, ``sizes()`` ({name: (numel, dtype)}). Eager plans carve them
+        from one allocation (common.Carving, made at their first call); eager calls of one range
+        get the unused buffer for the range results. Other plans (traced calls) allocate each
+        (common.fresh_buffers), the range results with the range count as a dimension, guarded
+        on (design §16)."""
+        if self.carving is None:
+            wanted = {} if self.bc_layout is None else dict(self.bc_layout.sizes)
+            if self.unused is None or may_exceed_one(self.n_ranges):
+                per_range = self.n_ranges * self.num_states * self.dim
+                wanted |= {"hloc": (per_range * self.NP, self.cdt),
+                           "dtsum": (per_range, self.cdt)}  # fmt: skip
+            wanted |= sizes()
+            if self.unused is None:
+                return fresh_buffers(u, wanted)
+            self.carving = Carving(self.cdt, wanted)
+        buffers = self.carving(u)
+        if "hloc" not in buffers:
+            buffers["hloc"] = buffers["dtsum"] = self.unused
+        return buffers
 
     def launch(self, launchers, kernel, grid: tuple, tensors: dict, scalars: dict,
                flags: dict, align_sizes: tuple) -> None:  # fmt: skip

@@ -41,9 +41,9 @@ __all__ = ["CKPT", "scan_bwd", "scan_fwd"]
 
 def _range_entries(p: ScanPlan, launchers, local: Tensor, dt_sums: Tensor, A: Tensor,
                    init: Tensor | None, reverse: bool) -> None:  # fmt: skip
-    """Turn the local launch's per-range results (plan.range_buffers) into the state entering
-    each range (forward; init = initial_state) or the gradient leaving it (backward, reverse;
-    init = dlast_state), in place: kernels/range_entries.py."""
+    """Turn the local launch's per-range results ("hloc", "dtsum" of ScanPlan.scratch) into
+    the state entering each range (forward; init = initial_state) or the gradient leaving it
+    (backward, reverse; init = dlast_state), in place: kernels/range_entries.py."""
     BD = max(1, 32 // p.NP)  # a value of each range's results a lane
     # No program for a single range: traced calls keep this launch for a symbolic count (see
     # tiles.may_exceed_one), and programs with nothing to fold cost time.
@@ -81,6 +81,12 @@ def scan_fwd(
     return launch_fwd(args, current_policy())
 
 
+def forward_scratch(p: ScanPlan) -> dict:
+    """The forward's own buffers, {name: (numel, dtype)} (ScanPlan.scratch): with a PRE pass
+    (tiles.fwd_tiles), delta after its bias and softplus, in rows laid out like out's."""
+    return {"pre": (p.batch * p.dim * p.rows, p.cdt)} if p.cfg["PRE"] else {}
+
+
 def launch_fwd(args: ScanArgs, policy: TilePolicy) -> tuple[Tensor, Tensor, Tensor]:
     """scan_fwd with the tiles of ``policy``."""
     p = plan(policy, False, args)
@@ -90,15 +96,13 @@ def launch_fwd(args: ScanArgs, policy: TilePolicy) -> tuple[Tensor, Tensor, Tens
     out = new_rows(u, p.layout, u.dtype)
     last = u.new_empty((p.num_states, p.dim, p.dstate), dtype=p.cdt)
     ckpt = u.new_empty((p.batch, p.dim, checkpoint_slots(p.seqlen, CKPT), p.dstate), dtype=p.cdt)
-    h_local, dt_sums = p.range_buffers(u)
-    # PRE (see tiles.fwd_tiles): delta after its bias and softplus, in rows like out's.
-    pre = new_rows(u, p.layout, p.cdt) if p.cfg["PRE"] else p.unused_buffer(u)
+    scratch = p.scratch(u, lambda: forward_scratch(p))
     launchers = p.direct(u)
     # Eager launches only: Inductor's and AOTInductor's launchers set no launch attributes.
     pdl = p.pdl and launchers is not None
-    tensors = p.tensors(args, launchers=launchers, pdl=pdl) | dict(
-        out_ptr=out, last_ptr=last, ckpt_ptr=ckpt, hloc_ptr=h_local, dtsum_ptr=dt_sums,
-        pre_ptr=pre,
+    tensors = p.tensors(args, scratch, launchers=launchers, pdl=pdl) | dict(
+        out_ptr=out, last_ptr=last, ckpt_ptr=ckpt, hloc_ptr=scratch["hloc"],
+        dtsum_ptr=scratch["dtsum"], pre_ptr=scratch.get("pre", p.unused_buffer(u)),
     )  # fmt: skip
     s_ob, s_od, _ = out.stride()
     s_kb, s_kd, s_kc, _ = ckpt.stride()
@@ -118,8 +122,8 @@ def launch_fwd(args: ScanArgs, policy: TilePolicy) -> tuple[Tensor, Tensor, Tens
             pdl = False
         p.launch(launchers, kernel, grid, tensors, scalars, flags, p.align_sizes)
         if local:
-            _range_entries(p, launchers, h_local, dt_sums, args.A, args.initial_state,
-                           reverse=False)  # fmt: skip
+            _range_entries(p, launchers, scratch["hloc"], scratch["dtsum"], args.A,
+                           args.initial_state, reverse=False)  # fmt: skip
     return unpadded(out, p.layout), last, ckpt
 
 
@@ -167,6 +171,28 @@ def bc_part_dtype(p: ScanPlan, t: Tensor) -> torch.dtype:
     return torch.bfloat16 if bf16 else p.cdt
 
 
+def backward_scratch(p: ScanPlan, args: ScanArgs) -> dict:
+    """The backward's own buffers, {name: (numel, dtype)} (ScanPlan.scratch): partial sums
+    per (sequence, range) of dA, dD, ddelta_bias and constant dB/dC, per (batch, block of
+    channels, tile) of variable dB/dC; the chunks' scratch (see scan_bwd.py)."""
+    dim, NP, T, cdt = p.dim, p.NP, p.cfg["T"], p.cdt
+    programs = p.num_states * p.n_ranges
+
+    def bc_part(t):
+        if t.dim() == 2:
+            return programs * dim * NP, cdt
+        return p.batch * p.n_blocks * bc_tiles(p.seqlen, T) * NP * T, bc_part_dtype(p, t)
+
+    per_tile = p.cfg["BD"] * (NP + 2 * T * p.cfg["KEEP_STEPS"])
+    sizes = dict(dA_part=(programs * dim * NP, cdt), dB_part=bc_part(args.B),
+                 dC_part=bc_part(args.C),
+                 scratch=(programs * p.n_blocks * (CKPT // T) * per_tile, cdt))  # fmt: skip
+    for name, t in (("dD_part", args.D), ("dbias_part", args.delta_bias)):
+        if t is not None:  # the kernels write these only for D and delta_bias
+            sizes[name] = (programs * dim, cdt)
+    return sizes
+
+
 def grad_sum_tile(p: ScanPlan, rows, M) -> int:
     """BM of a grad_sums job of `rows` rows of M sums: the widest of 1024, 256, 64, 16 giving it
     the policy's sum_programs programs. Fewer programs leave the GPU short of loads in flight;
@@ -207,6 +233,10 @@ def grad_sums_launch(p: ScanPlan, B: Tensor, C: Tensor, D: Tensor | None,
                    BM_CHANNELS=BM_CHANNELS, ELEMENTS=GRAD_SUM_ELEMENTS, ACC=p.flags["ACC"],
                    num_warps=4)  # fmt: skip
     return grid, scalars, options
+
+
+# The backward kernel's partial sums, by grad_sums' parameter names.
+PART_NAMES = ("dA_part", "dB_part", "dC_part", "dD_part", "dbias_part")
 
 
 def grad_sums(p: ScanPlan, launchers, parts: dict, args: ScanArgs) -> tuple:
@@ -257,41 +287,25 @@ def launch_bwd(dout: Tensor, dlast_state: Tensor | None, args: ScanArgs, checkpo
     """scan_bwd with the tiles of ``policy``."""
     p = plan(policy, True, args)
     u = args.u
-    batch, dim, dstate, cdt, NP, T = p.batch, p.dim, p.dstate, p.cdt, p.NP, p.cfg["T"]
+    dim, dstate, cdt, T = p.dim, p.dstate, p.cdt, p.cfg["T"]
     check_scan_grads(dout, dlast_state, checkpoints, args, CKPT, cdt)
-    programs = p.num_states * p.n_ranges  # partial sums are per (sequence, range)
     du = new_rows(u, p.layout, u.dtype)
     ddelta = new_rows(u, p.layout, args.delta.dtype)
     dz = u.new_empty((0,)) if args.z is None else new_rows(u, p.layout, args.z.dtype)
     if restaged(dout, p.pad, T):
         dout = staged(dout, p.layout)
-
-    def bc_part(t):
-        if t.dim() == 2:
-            return u.new_empty((programs, dim, NP), dtype=cdt)
-        tiles = bc_tiles(p.seqlen, T)
-        return u.new_empty((batch, p.n_blocks, tiles, NP, T), dtype=bc_part_dtype(p, t))
-
-    unused = p.unused_buffer(u)  # the kernels write these only for D, delta_bias, initial_state
-    parts = dict(
-        dA_part=u.new_empty((programs, dim, NP), dtype=cdt),
-        dB_part=bc_part(args.B),
-        dC_part=bc_part(args.C),
-        dD_part=unused if args.D is None else u.new_empty((programs, dim), dtype=cdt),
-        dbias_part=unused if args.delta_bias is None else u.new_empty((programs, dim), dtype=cdt),
-    )
+    scratch = p.scratch(u, lambda: backward_scratch(p, args))
+    unused = p.unused_buffer(u)
+    parts = {name: scratch.get(name, unused) for name in PART_NAMES}
     has_h0 = args.initial_state is not None
     dh0 = u.new_empty((p.num_states, dim, dstate), dtype=cdt) if has_h0 else unused
-    dh_local, dt_sums = p.range_buffers(u)
-    keep = p.cfg["KEEP_STEPS"]
-    per_tile = p.cfg["BD"] * (NP + 2 * T * keep)  # see scratch in scan_bwd.py
-    scratch = u.new_empty((programs * p.n_blocks * (CKPT // T) * per_tile,), dtype=cdt)
     launchers = p.direct(u)
-    tensors = p.tensors(args, launchers=launchers) | dict(
-        dout_ptr=dout, dlast_ptr=dlast_state, ckpt_ptr=checkpoints, scratch_ptr=scratch,
-        du_ptr=du, ddelta_ptr=ddelta, dz_ptr=dz, dA_ptr=parts["dA_part"],
-        dB_ptr=parts["dB_part"], dC_ptr=parts["dC_part"], dD_ptr=parts["dD_part"],
-        dbias_ptr=parts["dbias_part"], dh0_ptr=dh0, dhloc_ptr=dh_local, dtsum_ptr=dt_sums,
+    tensors = p.tensors(args, scratch, launchers=launchers) | dict(
+        dout_ptr=dout, dlast_ptr=dlast_state, ckpt_ptr=checkpoints,
+        scratch_ptr=scratch["scratch"], du_ptr=du, ddelta_ptr=ddelta, dz_ptr=dz,
+        dA_ptr=parts["dA_part"], dB_ptr=parts["dB_part"], dC_ptr=parts["dC_part"],
+        dD_ptr=parts["dD_part"], dbias_ptr=parts["dbias_part"], dh0_ptr=dh0,
+        dhloc_ptr=scratch["hloc"], dtsum_ptr=scratch["dtsum"],
     )  # fmt: skip
     s_ob, s_od, s_ot = dout.stride()
     s_lb, s_ld, s_ln = (0, 0, 0) if dlast_state is None else dlast_state.stride()
@@ -303,11 +317,12 @@ def launch_bwd(dout: Tensor, dlast_state: Tensor | None, args: ScanArgs, checkpo
     for local, grid, tiles in p.launches():
         # The cap is the full pass's (its grid, its kernel); the local pass is a smaller kernel.
         flags = dict(SOFTPLUS=args.delta_softplus, HAS_DLAST=dlast_state is not None,
-                     LOCAL=local, KEEP_STEPS=keep, ALIGN=align, **tiles,
+                     LOCAL=local, KEEP_STEPS=p.cfg["KEEP_STEPS"], ALIGN=align, **tiles,
                      **({} if local else cap))  # fmt: skip
         p.launch(launchers, _scan_bwd_kernel, grid, tensors, scalars, flags, align_sizes)
         if local:
-            _range_entries(p, launchers, dh_local, dt_sums, args.A, dlast_state, reverse=True)
+            _range_entries(p, launchers, scratch["hloc"], scratch["dtsum"], args.A, dlast_state,
+                           reverse=True)  # fmt: skip
 
     dA, dB, dC, dD, dbias = grad_sums(p, launchers, parts, args)
 
