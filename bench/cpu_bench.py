@@ -28,7 +28,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from report import cpu_model
 
 from selective_scan import cpu, selective_scan_fn, selective_scan_ref
 
@@ -130,16 +130,6 @@ def bench_method(method: str, inputs: dict, repeats: int) -> dict:
         fn(**leaves).backward(dout)
 
     return {"fwd": timed(forward, repeats), "fwd+bwd": timed(forward_backward, repeats)}
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main(argv: list[str] | None = None) -> dict:

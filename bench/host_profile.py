@@ -12,6 +12,14 @@ and the engine's floor (a step of a no-op autograd.Function with as many inputs)
 
 Host time = wall time of back-to-back calls without synchronization, per call, after warm-up
 (the kernels of these shapes are shorter than their launches, so the GPU waits on the host).
+
+With ``--device cpu`` (environment TRITON_INTERPRET=1 SELECTIVE_SCAN_BACKEND=triton) the same
+calls run the Triton launchers' host work on CPU tensors, their kernels not launched
+(kernels.launch.skipping_launches): plans, checks, allocations and autograd, without the CUDA
+allocator, the launches or autograd's device thread.
+
+Each call's allocations and copies are counted too (a gradient that autograd copies into .grad
+instead of taking it shows as a copy); ``--out FILE`` writes the figures as JSON.
 """
 
 from __future__ import annotations
@@ -19,35 +27,63 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import datetime
 import io
+import json
+import os
+import platform
 import pstats
 import sys
 import time
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import fwd_bwd_step, leaf_args
+from report import cpu_model, git_commit
 from shapes import SCAN_INPUTS, make_bench_inputs
 
 from selective_scan import ops, selective_scan_fn
 from selective_scan.kernels import scan
+from selective_scan.kernels.launch import skipping_launches
+
+# "cuda", or "cpu" (kernels not launched): set by main.
+DEVICE = "cuda"
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def host_us(fn, calls: int) -> float:
     """Median over 5 rounds of the host time per call, in microseconds."""
     for _ in range(10):
         fn()
-    torch.cuda.synchronize()
+    synchronize()
     rounds = []
     for _ in range(5):
         start = time.perf_counter()
         for _ in range(calls):
             fn()
         rounds.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
+        synchronize()
     return sorted(rounds)[2]
+
+
+def op_counts(fn) -> tuple[int, int]:
+    """(allocations, copies) of one call of fn: aten::empty and aten::empty_strided calls
+    (those within other factories too), and aten::copy_ calls."""
+    fn()
+    synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+        synchronize()
+    counts = {e.key: e.count for e in prof.key_averages()}
+    allocations = counts.get("aten::empty", 0) + counts.get("aten::empty_strided", 0)
+    return allocations, counts.get("aten::copy_", 0)
 
 
 def stats_text(profiler: cProfile.Profile, top: int) -> str:
@@ -116,19 +152,36 @@ def train_split(leaves: dict, dout: torch.Tensor, calls: int, top: int) -> None:
     with node_timed(function, profiler):
         for _ in range(calls):
             train()
-        torch.cuda.synchronize()
+        synchronize()
     print("backward node, profiled inside:")
     print(stats_text(profiler, top))
 
 
 def main() -> None:
+    global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="S6")
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--profile", choices=("op", "public", "train"), default="op")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--out", help="JSON file for the figures")
     args = parser.parse_args()
-    x = make_bench_inputs(args.shape)
+    DEVICE = args.device
+    if DEVICE == "cpu" and (
+        os.environ.get("TRITON_INTERPRET") != "1"
+        or os.environ.get("SELECTIVE_SCAN_BACKEND") != "triton"
+    ):
+        sys.exit("--device cpu needs TRITON_INTERPRET=1 SELECTIVE_SCAN_BACKEND=triton")
+    with skipping_launches() if DEVICE == "cpu" else contextlib.nullcontext():
+        figures = profile(args)
+    if args.out:
+        Path(args.out).write_text(json.dumps(figures, indent=1) + "\n")
+
+
+def profile(args) -> dict:
+    """Time, count and profile the calls (see the module's docstring); returns the figures."""
+    x = make_bench_inputs(args.shape, device=DEVICE)
     inputs = [x[k] for k in SCAN_INPUTS]
     out, _, ckpt = scan.scan_fwd(*inputs, True)
     dout = torch.randn_like(out)
@@ -152,10 +205,30 @@ def main() -> None:
         "selective_scan_fn (no grad)": lambda: selective_scan_fn(**public, delta_softplus=True),
         "selective_scan_fn (with grad)": lambda: selective_scan_fn(**leaves),
         "selective_scan_fn fwd+bwd": train,
-        "empty CUDA tensor": lambda: torch.empty(16, device="cuda"),
+        f"empty {DEVICE} tensor": lambda: torch.empty(16, device=DEVICE),
+    }
+    figures = {
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else cpu_model(),
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "commit": git_commit(),
+        "shape": args.shape,
+        "method": f"bench/host_profile.py --device {DEVICE}: wall time of {args.calls} "
+        "back-to-back calls, per call, median of 5 rounds"
+        + (", kernels not launched" if DEVICE == "cpu" else ""),
+        "us_per_call": {},
+        "allocations_per_call": {},
+        "copies_per_call": {},
     }
     for name, fn in calls.items():
-        print(f"{args.shape} {name:30s} {host_us(fn, args.calls):9.1f} us host per call")
+        us = figures["us_per_call"][name] = round(host_us(fn, args.calls), 1)
+        made, copied = op_counts(fn)
+        figures["allocations_per_call"][name] = made
+        figures["copies_per_call"][name] = copied
+        print(f"{args.shape} {name:34s} {us:9.1f} us host per call, {made:3d} allocations, "
+              f"{copied} copies")  # fmt: skip
     profiled = {"op": fwd_op, "public": calls["selective_scan_fn (no grad)"], "train": train}[
         args.profile
     ]
@@ -166,14 +239,15 @@ def main() -> None:
     for _ in range(args.calls):
         profiled()
     profiler.disable()
-    torch.cuda.synchronize()
+    synchronize()
     print(stats_text(profiler, args.top))
     # cProfile sees this thread only; a CUDA backward runs on autograd's device thread.
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(20):
             profiled()
-        torch.cuda.synchronize()
+        synchronize()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    return figures
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,26 +40,12 @@ import onnx
 import onnxruntime as ort
 import onnxscript
 import torch
+from report import cpu_model, git_commit
 
 import selective_scan.onnx as sso
 from selective_scan import MambaLMHeadModel, selective_scan_fn
 from selective_scan.onnx import scan as onnx_scan
 from selective_scan.onnx.decoding import Step, state_names
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
-def git_commit() -> str:
-    root = Path(__file__).resolve().parent.parent
-    result = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=False
-    )
-    return result.stdout.strip() or "unknown"
 
 
 def interleaved(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:

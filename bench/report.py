@@ -1,4 +1,4 @@
-"""Helpers the GPU benchmark scripts share."""
+"""Helpers the benchmark scripts share."""
 
 from __future__ import annotations
 
@@ -15,6 +15,15 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform reports."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
 
 
 def git_commit() -> str:

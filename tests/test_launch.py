@@ -5,9 +5,14 @@ import ast
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
+from conftest import DEVICE, TRITON_RUNS
+from helpers import float_inputs, make_inputs
+
+from selective_scan import selective_scan_fn
 from selective_scan.kernels import launch, scan_fwd_lanes
 
 KERNELS = Path(launch.__file__).parent
@@ -38,3 +43,22 @@ def test_kernel_arguments_keeps_parameters_and_launch_options():
     assert launch.kernel_arguments(kernel, arguments) == {
         "u_ptr": 1, "LANES": 16, "num_warps": 4, "maxnreg": 168,
     }  # fmt: skip
+
+
+@pytest.mark.skipif(not TRITON_RUNS, reason="the Triton backend runs nowhere here")
+@pytest.mark.usefixtures("poison_uninitialized")
+@pytest.mark.parametrize("skipped", [True, False], ids=["skipping", "recording"])
+def test_skipped_launches_run_nothing_and_keep_no_tensor(monkeypatch, skipped):
+    """Inside skipping_launches the launchers launch nothing (the output keeps its poison) and
+    keep no tensor: an eager training step's gradients become .grad as the backward returns
+    them. Launches recorded instead keep them referenced, and autograd copies each one."""
+    monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", "triton")
+    x = make_inputs(device=DEVICE, batch=1, dim=8, dstate=4, seqlen=16)
+    leaves = {k: x[k].requires_grad_() for k in float_inputs(x)}
+    blocked = launch.skipping_launches() if skipped else launch.recording()
+    with blocked, torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = selective_scan_fn(**x, delta_softplus=True)
+        out.backward(torch.randn_like(out))
+    copies = sum(e.count for e in prof.key_averages() if e.key == "aten::copy_")
+    assert out.isnan().all()
+    assert copies == (0 if skipped else len(leaves))

@@ -163,11 +163,20 @@ class Launcher:
         return kernel.run, kernel.function, kernel.packed_metadata, bound[len(self._order) :]
 
 
-# Launches recorded (``recording``): (list, whether to launch them too) while a block
-# records, else None.
-_RECORD: contextvars.ContextVar[tuple[list, bool] | None] = contextvars.ContextVar(
+# Launches recorded (``recording``): (list or None, whether to launch them too) while a block
+# records or skips them, else None.
+_RECORD: contextvars.ContextVar[tuple[list | None, bool] | None] = contextvars.ContextVar(
     "selective_scan_recorded_launches", default=None
 )
+
+
+@contextlib.contextmanager
+def _recording_into(launches: list | None, launch: bool) -> Iterator[None]:
+    token = _RECORD.set((launches, launch))
+    try:
+        yield
+    finally:
+        _RECORD.reset(token)
 
 
 @contextlib.contextmanager
@@ -176,11 +185,16 @@ def recording(launch: bool = False) -> Iterator[list]:
     yields, and launches nothing unless ``launch``: for offline compiles, and for inspecting
     what a call launches and with which launcher key."""
     launches: list = []
-    token = _RECORD.set((launches, launch))
-    try:
+    with _recording_into(launches, launch):
         yield launches
-    finally:
-        _RECORD.reset(token)
+
+
+def skipping_launches() -> contextlib.AbstractContextManager:
+    """Inside the block, ``launch_kernel`` launches nothing and keeps nothing (no reference to
+    any tensor): for timing the launchers' host work where the kernels cannot run
+    (bench/host_profile.py --device cpu). Records would keep the gradients referenced, and
+    autograd then copies each into .grad instead of taking it."""
+    return _recording_into(None, False)
 
 
 def launch_kernel(launchers: dict | None, kernel, grid: tuple, tensors: dict, scalars: Mapping,
@@ -193,7 +207,8 @@ def launch_kernel(launchers: dict | None, kernel, grid: tuple, tensors: dict, sc
     if record is not None or launchers is None:
         kwargs = kernel_arguments(kernel, {**tensors, **scalars, **options})
     if record is not None:
-        record[0].append((kernel, grid, kwargs, key))
+        if record[0] is not None:
+            record[0].append((kernel, grid, kwargs, key))
         if not record[1]:
             return
     if launchers is None:
