@@ -4,18 +4,24 @@
 #
 #   scripts/gpu_run.sh [OUT_DIR]        OUT_DIR: default $OUT, else ./gpu_results
 #
-# OUT_DIR then holds:
-#   environment.txt       GPU, driver, torch, triton, Python, git commit
-#   tests.log             the GPU suites (tests/test_gpu.py, test_gpu_models.py) and the suites
-#                         that also run their Triton cases on CUDA tensors
-#   conformance.log, conformance.json    the conformance grid (tests/test_gpu_conformance.py)
-#                         and its counts
-#   h200.json decode.json varlen.json     the benchmarks' results (bench/*_bench.py)
-#   bench.log             the benchmarks' output
+# Stages, in this order by default (STAGES="smoke bench" runs two of them):
+#   smoke        the launch paths first: direct launches against Triton's, the lanes kernel, the
+#                complex kernels (smoke.log)
+#   tests        the GPU suites (tests/test_gpu.py, test_gpu_models.py) and the suites that also
+#                run their Triton cases on CUDA tensors (tests.log)
+#   conformance  the conformance grid, tests/test_gpu_conformance.py (conformance.log, .json)
+#   bench        bench/gpu_bench.py: S1-S8 against the anchor (h200.json, bench.log)
+#   host         bench/host_profile.py --profile train: S6's host time split (host_profile.json,
+#                host.log)
+#   train        bench/train_bench.py: layer and model training steps (train.json, train.log)
+#   decode, varlen    bench/decode_bench.py, bench/varlen_bench.py (decode.json, varlen.json)
+# OUT_DIR also gets environment.txt (GPU, driver, torch, triton, Python, git commit). With the
+# bench stage and mamba's sources in bench/anchor_src (bench/anchor.py), the anchor builds in the
+# background from the start (anchor_build.log); the bench stage waits for it.
 #
-# Environment: TESTS (pytest targets), PYTEST_ARGS, BENCH_ARGS, DECODE_ARGS, VARLEN_ARGS (extra
-# arguments), CONFORMANCE_WORKERS (15), STAGES (default "tests conformance bench decode varlen";
-# STAGES=conformance for one of them). Exits non-zero if a stage failed.
+# Environment: STAGES, TESTS (pytest targets of the tests stage), PYTEST_ARGS, BENCH_ARGS,
+# HOST_ARGS, TRAIN_ARGS, DECODE_ARGS, VARLEN_ARGS (extra arguments), CONFORMANCE_WORKERS (15).
+# Exits non-zero if a stage failed.
 set -uo pipefail
 OUT_DIR="${1:-${OUT:-gpu_results}}"
 mkdir -p "$OUT_DIR"
@@ -37,6 +43,13 @@ tests/test_state_varlen.py tests/test_ops.py tests/test_compile.py tests/test_co
 WORKERS=()
 if python3 -c "import xdist" 2>/dev/null; then WORKERS=(-n "${TEST_WORKERS:-8}"); fi
 
+STAGES="${STAGES:-smoke tests conformance bench host train decode varlen}"
+ANCHOR_BUILD=
+if [[ " $STAGES " == *" bench "* ]] && [ -d bench/anchor_src/csrc/selective_scan ]; then
+    (cd bench && python3 -c "import anchor; anchor.build()") > "$OUT_DIR/anchor_build.log" 2>&1 &
+    ANCHOR_BUILD=$!
+fi
+
 failed=0
 run() {  # run NAME LOG COMMAND...: append the command's output to LOG; count a failure
     local name=$1 log=$2 start=$SECONDS
@@ -48,17 +61,26 @@ run() {  # run NAME LOG COMMAND...: append the command's output to LOG; count a 
     [ "$status" = 0 ] || failed=$((failed + 1))
 }
 
-for stage in ${STAGES:-tests conformance bench decode varlen}; do
+for stage in $STAGES; do
     case "$stage" in
         # TESTS and the *_ARGS variables are word lists: unquoted on purpose.
+        smoke) run smoke "$OUT_DIR/smoke.log" python3 -m pytest -p no:cacheprovider -rf \
+            --tb=short "${WORKERS[@]}" tests/test_gpu.py -k "direct or dependent or options_real" \
+            tests/test_complex.py ${PYTEST_ARGS:-} ;;
         tests) run tests "$OUT_DIR/tests.log" python3 -m pytest -p no:cacheprovider -rf \
             --tb=short "${WORKERS[@]}" $TESTS ${PYTEST_ARGS:-} ;;
         # The grid compiles about 900 kernel specializations: a stage of its own, every core.
         conformance) run conformance "$OUT_DIR/conformance.log" python3 -m pytest \
             -p no:cacheprovider -rf --tb=short -n "${CONFORMANCE_WORKERS:-15}" \
             tests/test_gpu_conformance.py ;;
-        bench) run bench "$OUT_DIR/bench.log" python3 bench/gpu_bench.py --out "$OUT_DIR" \
-            ${BENCH_ARGS:-} ;;
+        bench)
+            if [ -n "$ANCHOR_BUILD" ]; then wait "$ANCHOR_BUILD"; fi
+            run bench "$OUT_DIR/bench.log" python3 bench/gpu_bench.py --out "$OUT_DIR" \
+                ${BENCH_ARGS:-} ;;
+        host) run host "$OUT_DIR/host.log" python3 bench/host_profile.py --profile train \
+            --out "$OUT_DIR/host_profile.json" ${HOST_ARGS:-} ;;
+        train) run train "$OUT_DIR/train.log" python3 bench/train_bench.py --out "$OUT_DIR" \
+            ${TRAIN_ARGS:-} ;;
         decode) run decode "$OUT_DIR/bench.log" python3 bench/decode_bench.py --out "$OUT_DIR" \
             ${DECODE_ARGS:-} ;;
         varlen) run varlen "$OUT_DIR/bench.log" python3 bench/varlen_bench.py --out "$OUT_DIR" \
