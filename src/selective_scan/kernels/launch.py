@@ -190,10 +190,10 @@ def recording(launch: bool = False) -> Iterator[list]:
 
 
 def skipping_launches() -> contextlib.AbstractContextManager:
-    """Inside the block, ``launch_kernel`` launches nothing and keeps nothing (no reference to
-    any tensor): for timing the launchers' host work where the kernels cannot run
-    (bench/host_profile.py --device cpu). Records would keep the gradients referenced, and
-    autograd then copies each into .grad instead of taking it."""
+    """Inside the block, ``launch_kernel`` returns at once: it launches nothing and keeps
+    nothing (no reference to any tensor). For timing the launchers' host work but the launches
+    where the kernels cannot run (bench/host_profile.py --device cpu). Records would keep the
+    gradients referenced, and autograd then copies each into .grad instead of taking it."""
     return _recording_into(None, False)
 
 
@@ -204,11 +204,12 @@ def launch_kernel(launchers: dict | None, kernel, grid: tuple, tensors: dict, sc
     plain eager calls on CUDA tensors), through wrap_triton when it is None (traced calls, the
     interpreter)."""
     record = _RECORD.get()
+    if record is not None and record[0] is None:  # skipping_launches
+        return
     if record is not None or launchers is None:
         kwargs = kernel_arguments(kernel, {**tensors, **scalars, **options})
     if record is not None:
-        if record[0] is not None:
-            record[0].append((kernel, grid, kwargs, key))
+        record[0].append((kernel, grid, kwargs, key))
         if not record[1]:
             return
     if launchers is None:
