@@ -45,6 +45,19 @@ def test_kernel_arguments_keeps_parameters_and_launch_options():
     }  # fmt: skip
 
 
+def test_plain_eager_rejects_wrappers_of_type_tensor():
+    """A functional wrapper has type Tensor and may hide a fake tensor: not plain eager, with or
+    without a fake inside (is_plain_eager reads the wrapper flags, not is_fake's walk)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+    real = torch.randn(3)
+    wrapped_fake = torch._to_functional_tensor(FakeTensorMode().from_tensor(real))
+    assert type(wrapped_fake) is torch.Tensor and is_fake(wrapped_fake)
+    assert launch.is_plain_eager((real, None, torch.nn.Parameter(real)))
+    assert not launch.is_plain_eager((real, wrapped_fake))
+    assert not launch.is_plain_eager((torch._to_functional_tensor(real),))
+
+
 @pytest.mark.skipif(not TRITON_RUNS, reason="the Triton backend runs nowhere here")
 @pytest.mark.usefixtures("poison_uninitialized")
 @pytest.mark.parametrize("skipped", [True, False], ids=["skipping", "recording"])

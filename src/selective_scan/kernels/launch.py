@@ -25,7 +25,6 @@ from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 from torch.library import wrap_triton
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
@@ -72,7 +71,17 @@ def is_plain_eager(tensors) -> bool:
     the op (ops._eager_function), which records the node the op's registered autograd would."""
     if intercepted():
         return False
-    return all(t is None or (type(t) in PLAIN_TYPES and not is_fake(t)) for t in tensors)
+    return all(t is None or _plain(t) for t in tensors)
+
+
+def _plain(t) -> bool:
+    """Whether t is a plain tensor: of type Tensor or Parameter (FakeTensor is not), and no
+    functional or functorch wrapper (of type Tensor too), behind which a fake tensor may hide.
+    Two flag reads, where is_fake walks more cases: this runs for every input of every eager
+    call."""
+    return type(t) in PLAIN_TYPES and not (
+        torch._is_functional_tensor(t) or torch._C._functorch.is_functorch_wrapped_tensor(t)
+    )
 
 
 def runtime_params(kernel) -> tuple[str, ...]:
