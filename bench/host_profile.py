@@ -19,7 +19,9 @@ calls run the Triton launchers' host work on CPU tensors, their kernels not laun
 allocator, the launches or autograd's device thread.
 
 Each call's allocations and copies are counted too (a gradient that autograd copies into .grad
-instead of taking it shows as a copy); ``--out FILE`` writes the figures as JSON.
+instead of taking it shows as a copy), and a small Mamba layer's training step through
+mamba_inner_fn is timed each way its checkpoint_lvl=1 can run (``layer_steps``); ``--out FILE``
+writes the figures as JSON.
 """
 
 from __future__ import annotations
@@ -39,13 +41,14 @@ from pathlib import Path
 
 import torch
 import triton
+from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import fwd_bwd_step, leaf_args
 from report import cpu_model, git_commit
 from shapes import SCAN_INPUTS, make_bench_inputs
 
-from selective_scan import ops, selective_scan_fn
+from selective_scan import mamba_inner_fn, ops, selective_scan_fn
 from selective_scan.kernels import scan
 from selective_scan.kernels.launch import skipping_launches
 
@@ -157,6 +160,46 @@ def train_split(leaves: dict, dout: torch.Tensor, calls: int, top: int) -> None:
     print(stats_text(profiler, top))
 
 
+class _Intercepting(TorchFunctionMode):
+    """Changes nothing, but calls under it are not plain eager (launch.intercepted)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def layer_steps() -> dict:
+    """Training steps (forward, backward) of mamba_inner_fn at a small Mamba layer's sizes
+    (d_model 64, d_inner 128, 16 states, rank 4, batch 1, 64 steps: host work, little compute):
+    checkpoint_lvl=1 as plain eager calls run it (mamba_inner._EagerRegion), through the
+    selective checkpoint (what calls that something intercepts take), and checkpoint_lvl=0."""
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def leaf(*shape, scale=0.1):
+        t = scale * torch.randn(shape, generator=gen, device=DEVICE)
+        return t.requires_grad_()
+
+    d_model, d_inner, dstate, rank, seqlen = 64, 128, 16, 4, 64
+    inputs = dict(
+        xz=leaf(1, 2 * d_inner, seqlen, scale=1.0), conv1d_weight=leaf(d_inner, 1, 4),
+        conv1d_bias=leaf(d_inner), x_proj_weight=leaf(rank + 2 * dstate, d_inner),
+        delta_proj_weight=leaf(d_inner, rank), out_proj_weight=leaf(d_model, d_inner),
+        out_proj_bias=None, A=leaf(d_inner, dstate), D=leaf(d_inner), delta_bias=leaf(d_inner),
+    )  # fmt: skip
+
+    def step(level: int, mode=contextlib.nullcontext):
+        def run():
+            with mode():
+                mamba_inner_fn(**inputs, checkpoint_lvl=level).sum().backward()
+
+        return run
+
+    return {
+        "mamba_inner_fn step, level 1, eager region": step(1),
+        "mamba_inner_fn step, level 1, selective checkpoint": step(1, _Intercepting),
+        "mamba_inner_fn step, level 0": step(0),
+    }
+
+
 def main() -> None:
     global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -229,6 +272,10 @@ def profile(args) -> dict:
         figures["copies_per_call"][name] = copied
         print(f"{args.shape} {name:34s} {us:9.1f} us host per call, {made:3d} allocations, "
               f"{copied} copies")  # fmt: skip
+    figures["layer_us_per_step"] = {}
+    for name, fn in layer_steps().items():
+        us = figures["layer_us_per_step"][name] = round(host_us(fn, args.calls), 1)
+        print(f"{name:60s} {us:9.1f} us host per step")
     profiled = {"op": fwd_op, "public": calls["selective_scan_fn (no grad)"], "train": train}[
         args.profile
     ]

@@ -2,10 +2,13 @@
 gradient), the memory-saving recomputation of checkpoint_lvl=1, bad arguments, torch.compile
 and torch.export."""
 
+import contextlib
+
 import pytest
 import torch
 from helpers import assert_close
 from model_helpers import compile_fullgraph, hermetic_compile, mamba_inner_naive
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from selective_scan.mamba_inner import mamba_inner_fn
@@ -98,6 +101,47 @@ def test_checkpoint_levels_give_the_same_gradients(options):
     assert torch.equal(out0, out1)
     for name, grad in grads1.items():
         assert_close(f"grad of {name}", grad, grads0[name], 1e-6)
+
+
+class Intercepting(TorchFunctionMode):
+    """A function mode that changes nothing: calls under it are no longer plain eager, so
+    checkpoint_lvl=1 takes the selective checkpoint, as traced calls do."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def node_names(t: torch.Tensor) -> set[str]:
+    """The type names of the autograd nodes t's graph holds."""
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo += [next_node for next_node, _ in node.next_functions]
+    return {type(node).__name__ for node in seen}
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "autocast_bf16"])
+@pytest.mark.parametrize("options", CASES)
+def test_eager_level_1_equals_the_selective_checkpoint(options, autocast):
+    """Plain eager calls of level 1 run their own autograd.Function (mamba_inner._EagerRegion),
+    not the selective checkpoint: the same output and gradients (the same ops, rerun under the
+    forward's autocast state), without a dispatch mode on every op."""
+    inputs = make_inputs(**options, seed=5)
+    w_out = weights_for(inputs)
+
+    def run(mode):
+        with mode, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return grads_of(mamba_inner_fn, leaves(inputs), w_out, checkpoint_lvl=1)
+
+    out, grads = run(contextlib.nullcontext())
+    out_checkpointed, grads_checkpointed = run(Intercepting())
+    assert "_EagerRegionBackward" in node_names(out)
+    assert "_EagerRegionBackward" not in node_names(out_checkpointed)
+    assert_close("out", out, out_checkpointed, 1e-6)
+    for name, grad in grads.items():
+        assert_close(f"grad of {name}", grad, grads_checkpointed[name], 1e-5 if autocast else 1e-6)
 
 
 class OpCounter(TorchDispatchMode):

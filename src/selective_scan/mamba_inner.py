@@ -15,10 +15,12 @@ traces the region's ops) all handle it.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -34,7 +36,9 @@ from ._checks import (
     check_tensor,
 )
 from .conv import causal_conv1d_fn
-from .interface import selective_scan_fn
+from .interface import scan_ops, selective_scan_fn
+from .kernels.launch import direct_call_ok, is_plain_eager
+from .ops import BACKWARD_IMPLEMENTATIONS, FORWARD_IMPLEMENTATIONS
 
 
 def _keep_scan_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -73,37 +77,116 @@ def _time_major(t: Tensor, A: Tensor) -> Tensor:
     return t.unflatten(-1, (-1, 2)).permute(0, 2, 1, 3).reshape(batch, -1, 2 * seqlen)
 
 
-def _conv_and_scan(
-    x, z, conv_weight, conv_bias, x_proj_weight, delta_proj_weight, A, B, C, D, delta_bias,
-    B_proj_bias, C_proj_bias, b_rms_weight, c_rms_weight, dt_rms_weight, eps, delta_softplus,
-):  # fmt: skip
-    """The checkpointed region: conv, projections and the scan; returns y (batch, dim, seqlen)."""
+class _Region(NamedTuple):
+    """The checkpointed region's arguments: x (batch, dim, seqlen) before the conv, z, the
+    weights, the scan's other inputs and options."""
+
+    x: Tensor
+    z: Tensor | None
+    conv_weight: Tensor
+    conv_bias: Tensor | None
+    x_proj_weight: Tensor
+    delta_proj_weight: Tensor
+    A: Tensor
+    B: Tensor | None
+    C: Tensor | None
+    D: Tensor | None
+    delta_bias: Tensor | None
+    B_proj_bias: Tensor | None
+    C_proj_bias: Tensor | None
+    b_rms_weight: Tensor | None
+    c_rms_weight: Tensor | None
+    dt_rms_weight: Tensor | None
+    eps: float
+    delta_softplus: bool
+
+
+def _scan_inputs(r: _Region) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The region's ops before the scan: (u, delta, B, C) as the scan takes them, u the conv's
+    output (batch, dim, seqlen), delta (batch, dim, seqlen), B and C given or from x_proj."""
+    A, eps, B, C = r.A, r.eps, r.B, r.C
     dstate = _bc_columns(A)
-    delta_rank = delta_proj_weight.shape[1]
-    x = causal_conv1d_fn(x, conv_weight, conv_bias, activation="silu")
+    delta_rank = r.delta_proj_weight.shape[1]
+    x = causal_conv1d_fn(r.x, r.conv_weight, r.conv_bias, activation="silu")
     # Per-token projections in (batch, seqlen, features) layout; the transposes back to
     # (batch, features, seqlen) are views, and the scan accepts any strides.
-    x_dbl = F.linear(x.transpose(1, 2), x_proj_weight)  # (batch, seqlen, rank + 2 * dstate)
-    delta = F.linear(x_dbl[..., :delta_rank], delta_proj_weight)  # (batch, seqlen, dim)
-    if dt_rms_weight is not None:
-        delta = _rms_norm(delta, dt_rms_weight, eps)
+    x_dbl = F.linear(x.transpose(1, 2), r.x_proj_weight)  # (batch, seqlen, rank + 2 * dstate)
+    delta = F.linear(x_dbl[..., :delta_rank], r.delta_proj_weight)  # (batch, seqlen, dim)
+    if r.dt_rms_weight is not None:
+        delta = _rms_norm(delta, r.dt_rms_weight, eps)
     if B is None:  # variable B from x_proj, as mamba_ssm lays it out: after the rank columns
         B = x_dbl[..., delta_rank : delta_rank + dstate]
-        if B_proj_bias is not None:
-            B = B + B_proj_bias.to(B.dtype)
-        if b_rms_weight is not None:
-            B = _rms_norm(B, b_rms_weight, eps)
+        if r.B_proj_bias is not None:
+            B = B + r.B_proj_bias.to(B.dtype)
+        if r.b_rms_weight is not None:
+            B = _rms_norm(B, r.b_rms_weight, eps)
         B = _time_major(B, A)
     if C is None:  # variable C: the last dstate columns
         C = x_dbl[..., x_dbl.shape[-1] - dstate :]
-        if C_proj_bias is not None:
-            C = C + C_proj_bias.to(C.dtype)
-        if c_rms_weight is not None:
-            C = _rms_norm(C, c_rms_weight, eps)
+        if r.C_proj_bias is not None:
+            C = C + r.C_proj_bias.to(C.dtype)
+        if r.c_rms_weight is not None:
+            C = _rms_norm(C, r.c_rms_weight, eps)
         C = _time_major(C, A)
-    return selective_scan_fn(
-        x, delta.transpose(1, 2), A, B, C, D, z, delta_bias, delta_softplus=delta_softplus
-    )
+    return x, delta.transpose(1, 2), B, C
+
+
+def _conv_and_scan(*args) -> Tensor:
+    """The checkpointed region (``_Region``'s arguments): conv, projections and the scan;
+    returns y (batch, dim, seqlen)."""
+    r = _Region(*args)
+    u, delta, B, C = _scan_inputs(r)
+    return selective_scan_fn(u, delta, r.A, B, C, r.D, r.z, r.delta_bias,
+                             delta_softplus=r.delta_softplus)  # fmt: skip
+
+
+class _EagerRegion(torch.autograd.Function):
+    """checkpoint_lvl=1 in plain eager calls: what the selective checkpoint computes, without
+    the dispatch mode it puts on every op of the region, twice, which makes an eager layer's
+    training step host-bound (design §1.6). The forward runs the region without grad and keeps
+    its inputs and the scan's checkpoints; the backward reruns the ops before the scan with
+    grad (under the forward's autocast state), runs the scan's backward, and backpropagates
+    through the rerun ops into the region's inputs. The scan's forward runs once."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        r = _Region(*args)
+        device = r.x.device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device),
+                        torch.is_autocast_enabled(device))  # fmt: skip
+        u, delta, B, C = _scan_inputs(r)
+        fwd, ctx.bwd_op = scan_ops(u, r.A)
+        out, _, checkpoints = FORWARD_IMPLEMENTATIONS[fwd](
+            u, delta, r.A, B, C, r.D, r.z, r.delta_bias, None, None, r.delta_softplus
+        )
+        ctx.save_for_backward(*args[:-2], checkpoints)
+        ctx.options = args[-2:]
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        *saved, checkpoints = ctx.saved_tensors
+        leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in saved]
+        r = _Region(*leaves, *ctx.options)
+        device, dtype, enabled = ctx.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            u, delta, B, C = _scan_inputs(r)
+        args = (dout, None, u, delta, r.A, B, C, r.D, r.z, r.delta_bias, None, None, checkpoints)
+        run = BACKWARD_IMPLEMENTATIONS[ctx.bwd_op] if direct_call_ok(args) else ctx.bwd_op
+        du, ddelta, dA, dB, dC, dD, dz, dbias, _ = run(*args, r.delta_softplus)
+        rerun = [(t, g) for t, g in ((u, du), (delta, ddelta), (B, dB), (C, dC))
+                 if t.requires_grad]  # fmt: skip
+        if rerun:  # into the leaves that the rerun ops (or a given B, C) came from
+            outputs, output_grads = zip(*rerun, strict=True)
+            torch.autograd.backward(outputs, output_grads)
+        # The scan's own inputs that no rerun op reads (A only lends its shape to them).
+        scan_grads = {"A": dA, "D": dD, "z": dz, "delta_bias": dbias}
+        grads = [
+            None if t is None or not t.requires_grad else scan_grads.get(name, t.grad)
+            for name, t in zip(_Region._fields, leaves, strict=False)
+        ]
+        return (*grads, None, None)
 
 
 def _check_inner_inputs(
@@ -220,9 +303,12 @@ def mamba_inner_fn(
     )  # fmt: skip
     # Without grad mode nothing is saved, so there is nothing to recompute.
     if checkpoint_lvl == 1 and torch.is_grad_enabled():
-        y = checkpoint(
-            _conv_and_scan, *args, use_reentrant=False, context_fn=_RECOMPUTE_ALL_BUT_SCAN
-        )
+        if is_plain_eager(args[:-2]):
+            y = _EagerRegion.apply(*args)
+        else:
+            y = checkpoint(
+                _conv_and_scan, *args, use_reentrant=False, context_fn=_RECOMPUTE_ALL_BUT_SCAN
+            )
     else:
         y = _conv_and_scan(*args)
     return F.linear(y.transpose(1, 2), out_proj_weight, out_proj_bias)
