@@ -165,9 +165,13 @@ def test_level_1_recomputes_the_conv_but_not_the_scan(checkpoint_lvl, recomputed
     out = mamba_inner_fn(**inputs, checkpoint_lvl=checkpoint_lvl)
     with OpCounter() as backward_ops:
         out.sum().backward()
-    assert ("aten.convolution" in backward_ops.counts) == recomputed, backward_ops.counts
-    assert "selective_scan.scan_fwd" not in backward_ops.counts
-    assert backward_ops.counts["selective_scan.scan_bwd"] == 1
+    counts = backward_ops.counts
+    assert ("aten.convolution" in counts) == recomputed, counts
+
+    def scan_calls(name):  # either backend's op: scan_fwd, scan_fwd_triton...
+        return sum(n for op, n in counts.items() if op.startswith(f"selective_scan.{name}"))
+
+    assert scan_calls("scan_fwd") == 0 and scan_calls("scan_bwd") == 1, counts
 
 
 def _rows(n):
