@@ -179,8 +179,7 @@ class ScanPlan:
         self.unused: Tensor | None = None
         # The backward's grad_sums launch (grid, scalars, constexprs), made at its first call.
         self.sums: tuple | None = None
-        # Eager plans: how their internal buffers are carved (``scratch``), made at the first
-        # call.
+        # Eager plans: how a call's internal buffers are carved (``scratch``), from the first.
         self.carving: Carving | None = None
 
     def align(self, wide: bool, sizes: tuple) -> int:
