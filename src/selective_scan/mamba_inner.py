@@ -37,8 +37,8 @@ from ._checks import (
 )
 from .conv import causal_conv1d_fn
 from .interface import scan_ops, selective_scan_fn
-from .kernels.launch import direct_call_ok, is_plain_eager
-from .ops import BACKWARD_IMPLEMENTATIONS, FORWARD_IMPLEMENTATIONS
+from .kernels.launch import is_plain_eager
+from .ops import FORWARD_IMPLEMENTATIONS, run_backward
 
 
 def _keep_scan_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -145,8 +145,9 @@ class _EagerRegion(torch.autograd.Function):
     the dispatch mode it puts on every op of the region, twice, which makes an eager layer's
     training step host-bound (design §1.6). The forward runs the region without grad and keeps
     its inputs and the scan's checkpoints; the backward reruns the ops before the scan with
-    grad (under the forward's autocast state), runs the scan's backward, and backpropagates
-    through the rerun ops into the region's inputs. The scan's forward runs once."""
+    grad (under the forward's autocast state), runs the scan's backward (ops.run_backward),
+    and backpropagates through the rerun ops into the region's inputs. The scan's forward runs
+    once."""
 
     @staticmethod
     def forward(ctx, *args):
@@ -173,8 +174,7 @@ class _EagerRegion(torch.autograd.Function):
         with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
             u, delta, B, C = _scan_inputs(r)
         args = (dout, None, u, delta, r.A, B, C, r.D, r.z, r.delta_bias, None, None, checkpoints)
-        run = BACKWARD_IMPLEMENTATIONS[ctx.bwd_op] if direct_call_ok(args) else ctx.bwd_op
-        du, ddelta, dA, dB, dC, dD, dz, dbias, _ = run(*args, r.delta_softplus)
+        du, ddelta, dA, dB, dC, dD, dz, dbias, _ = run_backward(ctx.bwd_op, args, r.delta_softplus)
         rerun = [(t, g) for t, g in ((u, du), (delta, ddelta), (B, dB), (C, dC))
                  if t.requires_grad]  # fmt: skip
         if rerun:  # into the leaves that the rerun ops (or a given B, C) came from

@@ -71,20 +71,25 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _make_backward(bwd_op):
-    """The autograd backward of a forward op: ``bwd_op``, or its implementation
-    (BACKWARD_IMPLEMENTATIONS) where calling that directly is the same
+def run_backward(bwd_op, args: tuple, delta_softplus: bool) -> tuple:
+    """bwd_op(*args, delta_softplus), args its tensor arguments; its implementation
+    (BACKWARD_IMPLEMENTATIONS) is called instead where that is the same
     (``kernels.launch.direct_call_ok``: an eager backward, nothing traced, no double backward),
     which skips the dispatcher's host time (design §1.5)."""
+    run = BACKWARD_IMPLEMENTATIONS[bwd_op] if direct_call_ok(args) else bwd_op
+    return run(*args, delta_softplus)
+
+
+def _make_backward(bwd_op):
+    """The autograd backward of a forward op: ``bwd_op`` through ``run_backward``."""
 
     def backward(ctx, dout, dlast_state, _dcheckpoints):
         *inputs, checkpoints = ctx.saved_tensors
         u = inputs[0]
         if dout is None:
             dout = torch.zeros_like(u)
-        args = (dout, dlast_state, *inputs, checkpoints)
-        run = BACKWARD_IMPLEMENTATIONS[bwd_op] if direct_call_ok(args) else bwd_op
-        grads = run(*args, ctx.delta_softplus)
+        grads = run_backward(bwd_op, (dout, dlast_state, *inputs, checkpoints),
+                             ctx.delta_softplus)  # fmt: skip
         # Optional inputs that were None get None; cu_seqlens and delta_softplus get no gradient.
         grads = [None if t is None else g for g, t in zip(grads, inputs, strict=False)]
         return (*grads, None, None)
