@@ -20,6 +20,7 @@ T contiguous values the kernels load without masks or conversion.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -159,7 +160,7 @@ def bc_layout(B: Tensor, C: Tensor, T: int, NP: int, dtype: torch.dtype) -> Bloc
     # One source is read as both: its blocks are written once, to Bb; Cb is an empty spare (a
     # tensor passed twice as a kernel's output is cloned twice when a traced call is
     # functionalized, and the clone kept is the one never written).
-    numels = [batch * t.shape[1] * tiles * NP * T for t in rows4] + [0]
+    numels = [math.prod(shape) for shape in shapes] + [0]
     return BlockLayout(
         shapes=shapes,
         sizes={"Bb": (numels[0], dtype), "Cb": (numels[1], dtype)},
