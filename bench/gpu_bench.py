@@ -456,8 +456,15 @@ def main() -> None:
         "--no-anchor", action="store_true",
         help="use the recorded anchor figures instead of building the anchor (bench/anchor.py)",
     )  # fmt: skip
+    parser.add_argument(
+        "--table", metavar="RESULTS",
+        help="print the README's markdown table from a results file (h200.json), run nothing",
+    )  # fmt: skip
     parser.add_argument("--cold-call", help=argparse.SUPPRESS)  # cold_compile's processes
     args = parser.parse_args()
+    if args.table:
+        print(markdown_table(json.loads(Path(args.table).read_text())["shapes"]))
+        return
     if args.cold_call:
         print(json.dumps(cold_call(args.cold_call)))
         return
@@ -535,6 +542,36 @@ def print_table(shapes: dict) -> None:
             f"{r['bwd_speedup']:5.2f} | {100 * r['fwd_floor_fraction']:4.0f} "
             f"{100 * r['bwd_floor_fraction']:4.0f} | {r['peak_mem_bytes'] / 2**20:.0f}"
         )
+
+
+def markdown_table(shapes: dict) -> str:
+    """The README's table: the public function's forward and forward + backward through
+    autograd (eager; compiled), the anchor's in the same process, and the backward's kernels."""
+
+    def ms(value) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    lines = [
+        "| shape (batch, dim, dstate, seqlen, groups) | fwd | anchor fwd | x | fwd+bwd eager "
+        "| fwd+bwd compiled | anchor fwd+bwd | x | bwd kernels | anchor bwd | x |",
+        "|---" * 11 + "|",
+    ]
+    for shape, r in shapes.items():
+        if "error" in r:
+            continue
+        batch, dim, dstate, seqlen, groups, dtype = SHAPES[shape]
+        name = f"{shape} {batch}, {dim}, {dstate}, {seqlen}, {groups}" + (
+            ", fp32" if dtype == torch.float32 else ""
+        )
+        anchor_b = r.get("anchor_bwd_ms", r["recorded_anchor_bwd_ms"])
+        cells = [
+            name, ms(r["fwd_public_ms"]), ms(r.get("anchor_fwd_ms")), f"{r['fwd_speedup']:.2f}",
+            ms(r["fwd_bwd_ms"]), ms(r.get("fwd_bwd_compiled_ms")), ms(r.get("anchor_fwd_bwd_ms")),
+            f"{r['fwd_bwd_speedup']:.2f}", ms(r["bwd_kernel_ms"]), ms(anchor_b),
+            f"{anchor_b / r['bwd_kernel_ms']:.2f}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
