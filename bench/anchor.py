@@ -7,8 +7,10 @@ build uses the nvcc flags of mamba's setup.py for sm_90 (../shared/anchors.md), 
 cores; ``build`` returns None when the sources, nvcc or a GPU are missing, and the benchmarks then
 fall back to the recorded anchor figures, labelled as such.
 
-Timing calls the extension's ``fwd`` and ``bwd`` directly, without mamba's Python autograd
-wrapper: the anchor's own host time is left out, which flatters it slightly.
+``forward``, ``backward`` and ``forward_backward`` call the extension's ``fwd`` and ``bwd``
+directly, without mamba's Python autograd wrapper: the anchor's own host time is left out, which
+flatters it. ``AnchorScan`` is such a wrapper (written here, not mamba's): a training step through
+it pays what ours pays around the kernels, autograd's engine included.
 """
 
 from __future__ import annotations
@@ -71,6 +73,33 @@ def backward(module, args: tuple, saved: tuple, dout: torch.Tensor) -> tuple:
     u, delta, A, B, C, D, z, bias, softplus = args
     _, x, out = saved
     return module.bwd(u, delta, A, B, C, D, z, bias, dout, x, out, None, softplus, False)
+
+
+class AnchorScan(torch.autograd.Function):
+    """The extension through autograd, as mamba's ``selective_scan_fn`` runs it for a training
+    step: ``AnchorScan.apply(module, u, delta, A, B, C, D, z, delta_bias, delta_softplus)`` with
+    the public function's arguments (B and C with or without their groups axis; contiguous, as
+    the bench inputs are) -> out."""
+
+    @staticmethod
+    def forward(ctx, module, u, delta, A, B, C, D, z, delta_bias, delta_softplus):
+        ctx.squeeze = (B.dim() == 3, C.dim() == 3)
+        B, C = (t.unsqueeze(1) if t.dim() == 3 else t for t in (B, C))
+        args = (u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+        out_z, x, out = forward(module, args)
+        ctx.module, ctx.delta_softplus = module, delta_softplus
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, x, out)
+        return out_z
+
+    @staticmethod
+    def backward(ctx, dout):
+        u, delta, A, B, C, D, z, delta_bias, x, out = ctx.saved_tensors
+        args = (u, delta, A, B, C, D, z, delta_bias, ctx.delta_softplus)
+        # bwd returns du, ddelta, dA, dB, dC, dD, ddelta_bias, dz
+        du, ddelta, dA, dB, dC, dD, dbias, dz = backward(ctx.module, args, (None, x, out),
+                                                         dout.contiguous())  # fmt: skip
+        dB, dC = (g.squeeze(1) if sq else g for g, sq in zip((dB, dC), ctx.squeeze, strict=True))
+        return None, du, ddelta, dA, dB, dC, dD, dz, dbias, None
 
 
 def forward_backward(module, args: tuple, dout: torch.Tensor) -> tuple:
