@@ -78,8 +78,8 @@ def backward(module, args: tuple, saved: tuple, dout: torch.Tensor) -> tuple:
 class AnchorScan(torch.autograd.Function):
     """The extension through autograd, as mamba's ``selective_scan_fn`` runs it for a training
     step: ``AnchorScan.apply(module, u, delta, A, B, C, D, z, delta_bias, delta_softplus)`` with
-    the public function's arguments (B and C with or without their groups axis; contiguous, as
-    the bench inputs are) -> out."""
+    the public function's arguments (B and C with or without their groups axis; z and
+    delta_bias given and every tensor contiguous, as the bench inputs have them) -> out."""
 
     @staticmethod
     def forward(ctx, module, u, delta, A, B, C, D, z, delta_bias, delta_softplus):

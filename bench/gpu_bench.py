@@ -594,11 +594,14 @@ def markdown_table(shapes: dict) -> str:
         name = f"{shape} {batch}, {dim}, {dstate}, {seqlen}, {groups}" + (
             ", fp32" if dtype == torch.float32 else ""
         )
+        # The recorded anchor figures where the anchor was not built (as the speedups take them).
+        anchor_f = r.get("anchor_fwd_ms", r["recorded_anchor_fwd_ms"])
         anchor_b = r.get("anchor_bwd_ms", r["recorded_anchor_bwd_ms"])
+        anchor_fb = r.get("anchor_fwd_bwd_ms", anchor_f + anchor_b)
         autograd = r.get("anchor_fwd_bwd_autograd_ms")
         cells = [
-            name, ms(r["fwd_public_ms"]), ms(r.get("anchor_fwd_ms")), f"{r['fwd_speedup']:.2f}",
-            ms(r["fwd_bwd_ms"]), ms(r.get("fwd_bwd_compiled_ms")), ms(r.get("anchor_fwd_bwd_ms")),
+            name, ms(r["fwd_public_ms"]), ms(anchor_f), f"{r['fwd_speedup']:.2f}",
+            ms(r["fwd_bwd_ms"]), ms(r.get("fwd_bwd_compiled_ms")), ms(anchor_fb),
             f"{r['fwd_bwd_speedup']:.2f}", ms(autograd), ratio(autograd, r["fwd_bwd_ms"]),
             ms(r["bwd_kernel_ms"]), ms(anchor_b), ratio(anchor_b, r["bwd_kernel_ms"]),
         ]  # fmt: skip
