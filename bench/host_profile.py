@@ -29,23 +29,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import datetime
 import io
 import json
 import os
-import platform
 import pstats
 import sys
 import time
 from pathlib import Path
 
 import torch
-import triton
 from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import fwd_bwd_step, leaf_args
-from report import cpu_model, git_commit
+from report import cpu_model, environment, git_commit
 from shapes import SCAN_INPUTS, make_bench_inputs
 
 from selective_scan import mamba_inner_fn, ops, selective_scan_fn
@@ -258,11 +255,7 @@ def profile(args) -> dict:
         f"empty {DEVICE} tensor": lambda: torch.empty(16, device=DEVICE),
     }
     figures = {
-        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else cpu_model(),
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
+        **environment(DEVICE if DEVICE == "cuda" else cpu_model()),
         "commit": git_commit(),
         "shape": args.shape,
         "method": f"bench/host_profile.py --device {DEVICE}: wall time of {args.calls} "

@@ -133,7 +133,7 @@ class BlockLayout(NamedTuple):
     plans keep (computing it is a large share of a small eager call's host time)."""
 
     shapes: list  # of the blocks, one per variable source
-    sizes: dict  # the block buffers (Bb, Cb) as common.carve takes them, in the compute dtype
+    sizes: dict  # the block buffers (Bb, Cb) as ScanPlan.scratch takes them, in the compute dtype
     grid: tuple
     scalars: dict  # the launch's scalar arguments
     options: dict  # its constexprs but PDL
