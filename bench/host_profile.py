@@ -9,6 +9,8 @@ With ``--profile train`` it also splits the step: the backward node's own time, 
 profiled inside the node (it runs on autograd's device thread, which a profiler started on this
 thread may not see), the step with autograd's device threads off (the backward on this thread),
 and the engine's floor (a step of a no-op autograd.Function with as many inputs).
+On a GPU it also lists what CUDA's sync debug mode reports in a step, and ``--trace`` writes a
+Chrome trace of five steps.
 
 Host time = wall time of back-to-back calls without synchronization, per call, after warm-up
 (the kernels of these shapes are shorter than their launches, so the GPU waits on the host).
@@ -29,12 +31,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gzip
 import io
 import json
 import os
 import pstats
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -164,6 +168,39 @@ def train_split(leaves: dict, dout: torch.Tensor, calls: int, top: int) -> dict:
     }
 
 
+def synchronizing_calls(step) -> list[str]:
+    """What CUDA's sync debug mode reports during three calls of step (on either thread): a
+    host-device synchronization would make the host wait for the GPU's queue."""
+    step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(3):
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sorted({str(w.message).splitlines()[0] for w in caught})
+
+
+def chrome_trace(step, path: str) -> None:
+    """Write a Chrome trace of five calls of step: the calling thread, autograd's device
+    thread and the kernels, to read where a step's host time goes between threads."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    plain = path.removesuffix(".gz")
+    prof.export_chrome_trace(plain)
+    if plain != path:
+        with open(plain, "rb") as src, gzip.open(path, "wb") as dst:
+            dst.write(src.read())
+        os.remove(plain)
+
+
 class _Intercepting(TorchFunctionMode):
     """Changes nothing, but calls under it are not plain eager (launch.intercepted)."""
 
@@ -213,6 +250,11 @@ def main() -> None:
     parser.add_argument("--profile", choices=("op", "public", "train"), default="op")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--out", help="JSON file for the figures")
+    parser.add_argument(
+        "--trace",
+        help="Chrome trace (.json or .json.gz) of 5 training steps, "
+        "both threads and the GPU's kernels (CUDA only)",
+    )
     args = parser.parse_args()
     DEVICE = args.device
     if DEVICE == "cpu" and (
@@ -281,6 +323,14 @@ def profile(args) -> dict:
     ]
     if args.profile == "train":
         figures["train_split_us"] = train_split(leaves, dout, args.calls, args.top)
+    if DEVICE == "cuda":
+        figures["synchronizing_calls"] = synchronizing_calls(train)
+        print(
+            "calls that synchronize with the GPU in a training step:",
+            figures["synchronizing_calls"] or "none",
+        )
+        if args.trace:
+            chrome_trace(train, args.trace)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.calls):

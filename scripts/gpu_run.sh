@@ -12,7 +12,7 @@
 #   conformance  the conformance grid, tests/test_gpu_conformance.py (conformance.log, .json)
 #   bench        bench/gpu_bench.py: S1-S8 against the anchor (h200.json, bench.log)
 #   host         bench/host_profile.py --profile train: S6's host time split (host_profile.json,
-#                host.log)
+#                host.log, host_trace.json.gz: a Chrome trace of five steps)
 #   train        bench/train_bench.py: layer and model training steps (train.json, train.log)
 #   decode, varlen    bench/decode_bench.py, bench/varlen_bench.py (decode.json, varlen.json)
 # OUT_DIR also gets environment.txt (GPU, driver, torch, triton, Python, git commit). With the
@@ -78,7 +78,8 @@ for stage in $STAGES; do
             run bench "$OUT_DIR/bench.log" python3 bench/gpu_bench.py --out "$OUT_DIR" \
                 ${BENCH_ARGS:-} ;;
         host) run host "$OUT_DIR/host.log" python3 bench/host_profile.py --profile train \
-            --out "$OUT_DIR/host_profile.json" ${HOST_ARGS:-} ;;
+            --out "$OUT_DIR/host_profile.json" --trace "$OUT_DIR/host_trace.json.gz" \
+            ${HOST_ARGS:-} ;;
         train) run train "$OUT_DIR/train.log" python3 bench/train_bench.py --out "$OUT_DIR" \
             ${TRAIN_ARGS:-} ;;
         decode) run decode "$OUT_DIR/bench.log" python3 bench/decode_bench.py --out "$OUT_DIR" \
