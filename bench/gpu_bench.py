@@ -182,9 +182,8 @@ def anchor_step(module):
     return call
 
 
-def bench_shape(shape: str, seqlen=None, compiled=None, anchor_module=None) -> dict:
-    """The shape's figures; compiled: selective_scan_fn compiled by compiled_public, or None;
-    anchor_module: the built anchor (anchor.build) or None."""
+def bench_shape(shape: str, seqlen=None, anchor_module=None) -> dict:
+    """The shape's eager figures; anchor_module: the built anchor (anchor.build) or None."""
     dtype = SHAPES[shape][-1]
     spent = {}
     sets = _timed(spent, "inputs", lambda: input_sets(shape, seqlen=seqlen))
@@ -217,17 +216,6 @@ def bench_shape(shape: str, seqlen=None, compiled=None, anchor_module=None) -> d
         fwd_bwd_ms=_timed(spent, "fwd_bwd", lambda: time_rotating(
             lambda i: fwd_bwd_step(selective_scan_fn, leaves[i], douts[i]), len(sets))),
     )  # fmt: skip
-    if compiled is not None:
-        result["fwd_compiled_ms"] = _timed(
-            spent,
-            "compiled",
-            lambda: guarded(
-                lambda: time_rotating(lambda i: _no_grad(compiled, sets[i]), len(sets))
-            ),
-        )
-        result["fwd_bwd_compiled_ms"] = _timed(spent, "fwd_bwd_compiled", lambda: guarded(
-            lambda: time_rotating(lambda i: fwd_bwd_step(compiled, leaves[i], douts[i]),
-                                  len(sets))))  # fmt: skip
     result.update(
         _timed(spent, "anchor", lambda: anchor_figures(anchor_module, sets, douts, leaves))
     )
@@ -250,6 +238,24 @@ def bench_shape(shape: str, seqlen=None, compiled=None, anchor_module=None) -> d
         )
     result["wall_s"] = spent
     return result
+
+
+def compiled_figures(shape: str) -> dict:
+    """The shape's forward and forward + backward through selective_scan_fn compiled by
+    compiled_public (compile time included as compile_s)."""
+    sets = input_sets(shape)
+    leaves = [leaf_args(x) for x in sets]
+    douts = [torch.randn_like(x["u"]) for x in sets]
+    t0 = time.perf_counter()
+    compiled = compiled_public(leaves[0])
+    figures = {"compile_s": round(time.perf_counter() - t0, 1)}
+    figures["fwd_compiled_ms"] = guarded(
+        lambda: time_rotating(lambda i: _no_grad(compiled, sets[i]), len(sets))
+    )
+    figures["fwd_bwd_compiled_ms"] = guarded(
+        lambda: time_rotating(lambda i: fwd_bwd_step(compiled, leaves[i], douts[i]), len(sets))
+    )
+    return figures
 
 
 def _no_grad(fn, x: dict):
@@ -521,21 +527,23 @@ def main() -> None:
 
     anchor_module = None if args.no_anchor else guarded(anchor.build)
     results["anchor"] = "built in this process" if anchor_module else "recorded figures"
-    # All compiled before any timing: a compile's worker processes outlive it.
-    compiled_fns = {}
-    for shape in filter(None, args.shapes.split(",")):
-        if shape in compiled:
-            t0 = time.perf_counter()
-            compiled_fns[shape] = guarded(compiled_public, leaf_args(make_bench_inputs(shape)))
-            print(f"  {shape} compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    for shape in filter(None, args.shapes.split(",")):
+    # Every eager figure before the first compile: a compile's worker processes outlive it
+    # (eager host time would share the CPU with them), and a run cut by its time limit keeps
+    # the eager figures of every shape.
+    shapes = list(filter(None, args.shapes.split(",")))
+    for shape in shapes:
         try:
-            results["shapes"][shape] = bench_shape(
-                shape, compiled=compiled_fns.get(shape), anchor_module=anchor_module
-            )
+            results["shapes"][shape] = bench_shape(shape, anchor_module=anchor_module)
         except Exception as e:  # keep the other shapes' numbers
             results["shapes"][shape] = {"error": repr(e)}
         print(shape, json.dumps(results["shapes"][shape]), flush=True)
+        save()
+    for shape in filter(compiled.__contains__, shapes):
+        figures = guarded(compiled_figures, shape)
+        if "error" in figures:  # the shape's own "error" means its eager figures failed
+            figures = {"compiled_error": figures["error"]}
+        results["shapes"][shape].update(figures)
+        print(shape, "compiled", json.dumps(figures), flush=True)
         save()
     for name in filter(None, args.extras.split(",")):
         try:
