@@ -227,6 +227,35 @@ def test_direct_launches_equal_tritons(seqlen, monkeypatch):
     assert entries == [1] * 4
 
 
+@pytest.mark.parametrize("seqlen", [256, 2048])
+def test_direct_training_step_does_not_synchronize(seqlen):
+    """An eager forward and backward through autograd (direct launches, the backward on
+    autograd's device thread) never waits for the GPU: under CUDA's sync debug mode set to
+    "error", a synchronizing call (a copy to the host, .item(), a blocking allocation) raises."""
+    inputs = make_inputs(device="cuda", batch=1, dim=640, dstate=16, seqlen=seqlen,
+                         dtype=torch.bfloat16)  # fmt: skip
+    leaves = {k: v.requires_grad_() if k in float_inputs(inputs) else v
+              for k, v in inputs.items()}  # fmt: skip
+    dout = torch.randn_like(inputs["u"])
+
+    def step():
+        for t in leaves.values():
+            if torch.is_tensor(t):
+                t.grad = None
+        selective_scan_fn(**leaves, delta_softplus=True).backward(dout)
+
+    step()  # compiles, plans and caches outside the checked steps
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert leaves["u"].grad is not None
+
+
 def test_backward_with_unaligned_dout_rows():
     """264 steps get kernels declaring 16-byte rows (a multiple of T = 8, not of 16); a dout
     whose rows are not (a view of 265-step rows) is copied into aligned rows first: the same

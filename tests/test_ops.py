@@ -242,11 +242,14 @@ def test_eager_calls_with_grad_skip_the_dispatcher(backend):
         assert torch.equal(a, b)
 
 
-def test_eager_backward_skips_the_op(backend, monkeypatch):
-    """An eager backward runs the backward op's implementation without the dispatcher and gives
-    the op's gradients bit for bit; under a dispatch mode (tracing, profiling modes) it takes
-    the op."""
-    x = make_inputs(seqlen=33, initial_state=True)
+@pytest.mark.parametrize("optional", [True, False], ids=["optional_inputs", "none"])
+def test_eager_backward_skips_the_op(backend, monkeypatch, optional):
+    """An eager backward runs the backward op's implementation without the dispatcher (the
+    Triton one without the checks autograd has made, and None for absent inputs) and gives the
+    op's gradients bit for bit; under a dispatch mode (tracing, profiling modes) it takes the
+    op. With and without the optional inputs (D, z, delta_bias, initial_state)."""
+    x = make_inputs(seqlen=33, initial_state=optional, D=optional, z=optional,
+                    delta_bias=optional)  # fmt: skip
     _, bwd_op = scan_ops(x["u"])
     implementation = ops.BACKWARD_IMPLEMENTATIONS[bwd_op]
     calls = []
@@ -257,7 +260,7 @@ def test_eager_backward_skips_the_op(backend, monkeypatch):
 
     monkeypatch.setitem(ops.BACKWARD_IMPLEMENTATIONS, bwd_op, recorded)
 
-    names = ("u", "delta", "A", "B", "initial_state")
+    names = ("u", "delta", "A", "B", "initial_state")[: 5 if optional else 4]
     direct, _ = _grad_call(x, names)
     assert len(calls) == 1
     with RecordOps() as mode:

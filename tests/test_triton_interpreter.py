@@ -860,24 +860,29 @@ def test_eager_forward_allocates_only_what_it_uses():
     assert len(allocations) == 4, allocations  # out, last_state, checkpoints, B/C blocks
 
 
-def test_eager_backward_allocates_its_gradients_and_one_scratch():
-    """The eager backward allocates the gradients it returns (an empty one for each absent
-    input) and one buffer that its internal ones are carved from (partial sums, B/C blocks,
-    the chunks' scratch, range results): views starting at multiples of 256 bytes into it, as
-    aligned as allocations of their own. Launches are recorded, not run."""
+@pytest.mark.parametrize("for_autograd", [False, True], ids=["op", "autograd"])
+def test_eager_backward_allocates_its_gradients_and_one_scratch(for_autograd):
+    """The eager backward allocates the gradients it returns (the op: an empty one for each
+    absent input; what autograd calls, scan_bwd_autograd: None instead) and one buffer that its
+    internal ones are carved from (partial sums, B/C blocks, the chunks' scratch, range
+    results): views starting at multiples of 256 bytes into it, as aligned as allocations of
+    their own. Launches are recorded, not run."""
     x = make_inputs(device=DEVICE, batch=2, dim=64, dstate=16, seqlen=64, dtype=torch.bfloat16)
     inputs = [x[k] for k in SCAN_INPUTS[:8]]
     out, _, ckpt = scan.scan_fwd(*inputs, None, None, True)
     modes = [RecordOps(), RecordOps()]
+    backward_fn = scan.scan_bwd_autograd if for_autograd else scan.scan_bwd
+    grads = []
 
     def backward(mode):
         with mode:
-            scan.scan_bwd(torch.randn_like(out), None, *inputs, None, None, ckpt, True)
+            grads.append(backward_fn(torch.randn_like(out), None, *inputs, None, None, ckpt, True))
 
     launches = offline.record_launches(lambda: [backward(mode) for mode in modes])
     allocations = [op for op in modes[1].ops if "empty" in str(op)]
-    # du, ddelta, dz, the scratch, dA, dB, dC, dD, ddelta_bias, an empty dinitial_state
-    assert len(allocations) == 10, allocations
+    # du, ddelta, dz, the scratch, dA, dB, dC, dD, ddelta_bias (, an empty dinitial_state)
+    assert len(allocations) == 10 - for_autograd, allocations
+    assert (grads[1][-1] is None) == for_autograd
     kw = next(kw for kernel, _, kw, _ in launches if kernel is _scan_bwd_kernel)
     carved = [kw[k] for k in ("dA_ptr", "dB_ptr", "dC_ptr", "dD_ptr", "dbias_ptr", "scratch_ptr")]
     (base,) = {t.untyped_storage().data_ptr() for t in carved}

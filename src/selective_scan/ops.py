@@ -123,8 +123,9 @@ scan_bwd = torch.library.custom_op("selective_scan::scan_bwd", cpu.scan_bwd, mut
 scan_fwd.register_fake(fwd_fake(cpu.CHUNK))
 scan_bwd.register_fake(bwd_fake)
 scan_fwd.register_autograd(_make_backward(scan_bwd), setup_context=_setup_context)
-# The function each op runs, for eager calls that may skip the dispatcher
-# (interface.selective_scan_fn, the autograd backward).
+# What eager calls that may skip the dispatcher run instead of each op (interface's
+# selective_scan_fn, the autograd backward): the op's own function, except the Triton backward's
+# scan_bwd_autograd, which leaves out the checks that autograd has made.
 FORWARD_IMPLEMENTATIONS = {scan_fwd: cpu.scan_fwd}
 BACKWARD_IMPLEMENTATIONS = {scan_bwd: cpu.scan_bwd}
 # The autograd.Function each forward op's plain eager calls with gradients run instead.
@@ -145,7 +146,7 @@ def _register_triton():
     )
     fwd.register_autograd(_make_backward(bwd), setup_context=_setup_context)
     FORWARD_IMPLEMENTATIONS[fwd] = triton_scan.scan_fwd
-    BACKWARD_IMPLEMENTATIONS[bwd] = triton_scan.scan_bwd
+    BACKWARD_IMPLEMENTATIONS[bwd] = triton_scan.scan_bwd_autograd
     EAGER_FUNCTIONS[fwd] = _eager_function(triton_scan.scan_fwd, bwd)
     return fwd, bwd
 

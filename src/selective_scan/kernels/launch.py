@@ -71,10 +71,10 @@ def is_plain_eager(tensors) -> bool:
     the op (ops._eager_function), which records the node the op's registered autograd would."""
     if intercepted():
         return False
-    return all(t is None or _plain(t) for t in tensors)
+    return all(t is None or is_plain(t) for t in tensors)
 
 
-def _plain(t) -> bool:
+def is_plain(t) -> bool:
     """Whether t is a plain tensor: of type Tensor or Parameter (FakeTensor is not), and no
     functional or functorch wrapper (of type Tensor too), behind which a fake tensor may hide.
     Two flag reads, where is_fake walks more cases: this runs for every input of every eager

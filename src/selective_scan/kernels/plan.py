@@ -25,7 +25,7 @@ from torch.fx.experimental.symbolic_shapes import guard_int
 from .._checks import check_scan_inputs, compute_dtype
 from ..scan_args import ScanArgs
 from .common import Carving, cdiv, fresh_buffers, tl_dtype
-from .launch import Launcher, is_plain_eager, launch_kernel
+from .launch import Launcher, is_plain, is_plain_eager, launch_kernel
 from .layout import (
     ALIGN_CHECKED,
     Rows,
@@ -276,7 +276,7 @@ def plan(policy: TilePolicy, backward: bool, args: ScanArgs) -> ScanPlan:
     """The ScanPlan of these inputs: cached for real tensors (by layout and policy), built
     afresh for fake ones. Checks raise before anything is cached."""
     tensors = args.tensors
-    if is_fake(tensors[0]):
+    if not is_plain(tensors[0]) and is_fake(tensors[0]):  # is_plain first: it costs less
         return ScanPlan(policy, backward, args)
     # 16-byte alignment too: the lanes kernel is chosen only for aligned rows (tiles.lanes_fit).
     key = (policy, backward, *[None if t is None else

@@ -36,7 +36,7 @@ from .scan_fwd import _scan_fwd_kernel
 from .scan_fwd_lanes import _scan_fwd_lanes_kernel
 from .tiles import CKPT, LANES_STEPS, TilePolicy, current_policy
 
-__all__ = ["CKPT", "scan_bwd", "scan_fwd"]
+__all__ = ["CKPT", "scan_bwd", "scan_bwd_autograd", "scan_fwd"]
 
 
 def _range_entries(p: ScanPlan, launchers, local: Tensor, dt_sums: Tensor, A: Tensor,
@@ -282,20 +282,50 @@ def scan_bwd(
     return launch_bwd(dout, dlast_state, args, checkpoints, current_policy())
 
 
+def scan_bwd_autograd(
+    dout: Tensor,
+    dlast_state: Tensor | None,
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor | None,
+    z: Tensor | None,
+    delta_bias: Tensor | None,
+    initial_state: Tensor | None,
+    cu_seqlens: Tensor | None,
+    checkpoints: Tensor,
+    delta_softplus: bool,
+) -> tuple:
+    """scan_bwd as the forward op's autograd backward calls it in plain eager calls
+    (ops.run_backward), without the checks and allocations that call does not need: autograd
+    has checked dout and dlast_state against the forward's outputs (shape, dtype, device), the
+    checkpoints are the forward's own, and the gradients of absent inputs are None, not empty
+    tensors (autograd takes None for them; design §1.5)."""
+    args = ScanArgs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens,
+                    delta_softplus)  # fmt: skip
+    return launch_bwd(dout, dlast_state, args, checkpoints, current_policy(), for_autograd=True)
+
+
 def launch_bwd(dout: Tensor, dlast_state: Tensor | None, args: ScanArgs, checkpoints: Tensor,
-               policy: TilePolicy) -> tuple:  # fmt: skip
-    """scan_bwd with the tiles of ``policy``."""
+               policy: TilePolicy, for_autograd: bool = False) -> tuple:  # fmt: skip
+    """scan_bwd with the tiles of ``policy``; scan_bwd_autograd's with ``for_autograd``."""
     p = plan(policy, True, args)
     u = args.u
     dim, dstate, cdt, T = p.dim, p.dstate, p.cdt, p.cfg["T"]
-    check_scan_grads(dout, dlast_state, checkpoints, args, CKPT, cdt)
+    if not for_autograd:
+        check_scan_grads(dout, dlast_state, checkpoints, args, CKPT, cdt)
+    unused = p.unused_buffer(u)
     du = new_rows(u, p.layout, u.dtype)
     ddelta = new_rows(u, p.layout, args.delta.dtype)
-    dz = u.new_empty((0,)) if args.z is None else new_rows(u, p.layout, args.z.dtype)
+    if args.z is not None:
+        dz = new_rows(u, p.layout, args.z.dtype)
+    else:  # passed, never written; returned by the op (for autograd: None)
+        dz = unused if for_autograd else u.new_empty((0,))
     if restaged(dout, p.pad, T):
         dout = staged(dout, p.layout)
     scratch = p.scratch(u, lambda: backward_scratch(p, args))
-    unused = p.unused_buffer(u)
     parts = {name: scratch.get(name, unused) for name in PART_NAMES}
     has_h0 = args.initial_state is not None
     dh0 = u.new_empty((p.num_states, dim, dstate), dtype=cdt) if has_h0 else unused
@@ -326,8 +356,8 @@ def launch_bwd(dout: Tensor, dlast_state: Tensor | None, args: ScanArgs, checkpo
 
     dA, dB, dC, dD, dbias = grad_sums(p, launchers, parts, args)
 
-    def empty():  # one placeholder per absent input: outputs must not alias each other
-        return u.new_empty((0,))
+    def empty():  # a placeholder per absent input (the op's outputs must not alias each other)
+        return None if for_autograd else u.new_empty((0,))
 
     return (
         unpadded(du, p.layout),
@@ -336,7 +366,7 @@ def launch_bwd(dout: Tensor, dlast_state: Tensor | None, args: ScanArgs, checkpo
         dB,
         dC,
         empty() if args.D is None else dD,
-        dz if args.z is None else unpadded(dz, p.layout),
+        unpadded(dz, p.layout) if args.z is not None else None if for_autograd else dz,
         empty() if args.delta_bias is None else dbias,
         empty() if not has_h0 else _fresh(dh0, args.initial_state),
     )
