@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import make_inputs
+from torch.autograd import forward_ad
 
 from selective_scan import selective_scan_fn, selective_scan_ref
 
@@ -381,3 +382,26 @@ def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch, device):
     match = rf"triton runs on CUDA tensors.*got tensors on {device}"
     with pytest.raises(RuntimeError, match=match):
         selective_scan_fn(**inputs)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "dual"])
+def test_forward_mode_ad_is_refused(backend, transform):
+    """Forward-mode AD is not supported: an input with a tangent raises instead of the kernels
+    dropping it (torch.func.jvp through the op gave a zero derivative); inside a dual level,
+    inputs without tangents run as usual."""
+    x = make_inputs(seqlen=10)
+    tangent = torch.randn_like(x["u"])
+
+    def scan(u):
+        return selective_scan_fn(**(x | {"u": u}), delta_softplus=True)
+
+    with pytest.raises(NotImplementedError, match="selective_scan_fn: forward-mode AD"):
+        if transform == "jvp":
+            torch.func.jvp(scan, (x["u"],), (tangent,))
+        else:
+            with forward_ad.dual_level():
+                scan(forward_ad.make_dual(x["u"], tangent))
+    expected = scan(x["u"])
+    with forward_ad.dual_level():
+        forward_ad.make_dual(x["u"].clone(), tangent)  # a dual tensor that is not an input
+        assert torch.equal(scan(x["u"]), expected)

@@ -278,3 +278,19 @@ def test_exported_runs_at_other_sizes():
         xz = torch.randn(shape)
         with torch.no_grad():
             assert_close("out", exported.module()(xz), layer(xz), 1e-6)
+
+
+def test_forward_mode_ad_is_refused():
+    """A tangent on anything the scan reads raises (the scan has no forward-mode derivative);
+    one on out_proj alone is torch's own linear and runs."""
+    inputs = make_inputs()
+    with pytest.raises(NotImplementedError, match="mamba_inner_fn: forward-mode AD"):
+        torch.func.jvp(lambda xz: mamba_inner_fn(**(inputs | {"xz": xz})), (inputs["xz"],),
+                       (torch.randn_like(inputs["xz"]),))  # fmt: skip
+    weight = inputs["out_proj_weight"]
+    tangent = torch.randn_like(weight)
+    _, out_tangent = torch.func.jvp(
+        lambda w: mamba_inner_fn(**(inputs | {"out_proj_weight": w})), (weight,), (tangent,)
+    )
+    expected = mamba_inner_fn(**(inputs | {"out_proj_weight": tangent}))
+    torch.testing.assert_close(out_tangent, expected)

@@ -598,3 +598,14 @@ def test_triton_grid_takes_large_batches():
         grid = state_update_kernel._plan(*[big[k] for k in NAMES], True)[0]
     blocks = -(-300 // state_update_kernel.block(5)[1])
     assert grid == (blocks * 70000, 3, 1)
+
+
+def test_forward_mode_ad_is_refused(backend):
+    """An input with a tangent raises: the step has no forward-mode derivative, and its kernels
+    would drop the tangent."""
+    from torch.autograd import forward_ad
+
+    inputs = step_inputs()
+    with forward_ad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
+        x = forward_ad.make_dual(inputs["x"], torch.randn_like(inputs["x"]))
+        selective_state_update(**(inputs | {"x": x}), dt_softplus=True)

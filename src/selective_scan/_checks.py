@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 if TYPE_CHECKING:
     from .scan_args import ScanArgs
@@ -72,6 +73,20 @@ def check_tensor(
             f"selective_scan: {name} is on {t.device} but {ref} is on {device}; "
             "all tensors must be on the same device"
         )
+
+
+def check_no_forward_ad(fn: str, tensors) -> None:
+    """Forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) is not supported: raise where
+    an input carries a tangent, which the kernels would drop (torch.func.jvp would return a zero
+    derivative). One read of a global unless a dual level is open."""
+    if getattr(forward_ad, "_current_level", 0) < 0:  # no dual level (or, unknown: check)
+        return
+    for t in tensors:
+        if isinstance(t, Tensor) and forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(
+                f"{fn}: forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) is not "
+                "supported; use reverse mode (.backward(), torch.autograd.grad)"
+            )
 
 
 def check_flag(fn: str, name: str, value: object) -> None:

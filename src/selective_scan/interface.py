@@ -7,7 +7,7 @@ import os
 from torch import Tensor
 
 from . import ops
-from ._checks import check_flag
+from ._checks import check_flag, check_no_forward_ad
 from .kernels.launch import direct_call_ok, is_plain_eager
 
 _BACKENDS = ("auto", "triton", "torch")
@@ -103,5 +103,6 @@ def selective_scan_fn(
     check_flag("selective_scan_fn", "delta_softplus", delta_softplus)
     check_flag("selective_scan_fn", "return_last_state", return_last_state)
     inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
+    check_no_forward_ad("selective_scan_fn", inputs)
     out, last_state, _ = _forward(inputs)(*inputs, delta_softplus)
     return (out, last_state) if return_last_state else out

@@ -31,6 +31,7 @@ from ._checks import (
     _COMPLEX_DTYPES,
     _FLOAT_DTYPES,
     check_flag,
+    check_no_forward_ad,
     check_non_empty,
     check_shape,
     check_tensor,
@@ -301,6 +302,7 @@ def mamba_inner_fn(
         x, z, conv1d_weight[:, 0], conv1d_bias, x_proj_weight, delta_proj_weight, A, B, C, D,
         delta_bias, B_proj_bias, C_proj_bias, *rms_weights, b_c_dt_rms_eps, delta_softplus,
     )  # fmt: skip
+    check_no_forward_ad("mamba_inner_fn", args[:-2])  # out_proj's tangents are torch's own
     # Without grad mode nothing is saved, so there is nothing to recompute.
     if checkpoint_lvl == 1 and torch.is_grad_enabled():
         if is_plain_eager(args[:-2]):

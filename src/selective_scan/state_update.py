@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_flag
+from ._checks import check_flag, check_no_forward_ad
 from ._state_update_checks import as_heads, check_state_update_inputs, out_shape
 from .interface import use_triton
 from .kernels.launch import direct_call_ok
@@ -149,6 +149,7 @@ def selective_state_update(
             "writes into it; pass state.detach(), or call it under torch.no_grad()"
         )
     args = (state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices)
+    check_no_forward_ad("selective_state_update", args[:9])
     op, implementation = _backend(state)
     if direct_call_ok((*args[:9], state_batch_indices)):
         out = implementation(*args)
