@@ -252,6 +252,8 @@ def call_update(**changes):
         (call_fn(seq_idx=SEQ_IDX.float(), initial_states=None), r"seq_idx must have dtype in"),
         (call_fn(activation="relu"), r"activation must be one of"),
         (call_fn(weight=torch.randn(DIM + 1, 4)), r"weight must have shape \(dim, width\)"),
+        (call_fn(weight=torch.randn(DIM, 0)), r"causal_conv1d_fn: weight must have width >= 1"),
+        (call_fn(x=torch.randn(2, DIM)), r"causal_conv1d_fn: x must have 3 dimensions"),
         (call_fn(bias=torch.randn(DIM + 1)), r"bias must have shape \(dim,\)"),
         (call_fn(initial_states=torch.randn(2, DIM, 4)), r"initial_states must have shape"),
         (call_fn(x=torch.randn(2, DIM, 0), initial_states=None), r"x must be non-empty"),

@@ -514,11 +514,11 @@ BAD = [
         ValueError,
         "state_batch_indices must have 1 dimensions",
     ),
-    (  # one index a row of x
+    (  # one index a row of x: the message names the indices, not x
         "state_batch_indices",
         lambda i: torch.zeros(2, dtype=torch.int32, device=DEVICE),
         ValueError,
-        r"x must have shape \(batch, dim\)",
+        r"selective_state_update: state_batch_indices must have one entry per batch row of x",
     ),
     (
         "state_batch_indices",

@@ -52,25 +52,25 @@ def check_tensor(
     dtypes: tuple[torch.dtype, ...] = _FLOAT_DTYPES,
     device: torch.device | None = None,
     ref: str = "u",
+    fn: str = "selective_scan",
 ) -> None:
     """Check that ``t`` is a Tensor of one of ``ranks`` and ``dtypes`` on ``device``, the
-    device of the argument named ``ref``."""
+    device of the argument named ``ref``; ``fn`` names the public function in the messages."""
     if not isinstance(t, Tensor):
-        raise TypeError(f"selective_scan: {name} must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() not in ranks:
         want = " or ".join(str(r) for r in ranks)
         raise ValueError(
-            f"selective_scan: {name} must have {want} dimensions, got {t.dim()} (shape {_shape(t)})"
+            f"{fn}: {name} must have {want} dimensions, got {t.dim()} (shape {_shape(t)})"
         )
     if t.dtype not in dtypes:
         want = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(
-            f"selective_scan: {name} must have dtype in ({want}), got "
-            f"{str(t.dtype).replace('torch.', '')}"
+            f"{fn}: {name} must have dtype in ({want}), got {str(t.dtype).replace('torch.', '')}"
         )
     if device is not None and t.device != device:
         raise ValueError(
-            f"selective_scan: {name} is on {t.device} but {ref} is on {device}; "
+            f"{fn}: {name} is on {t.device} but {ref} is on {device}; "
             "all tensors must be on the same device"
         )
 
@@ -95,8 +95,11 @@ def check_flag(fn: str, name: str, value: object) -> None:
         raise TypeError(f"{fn}: {name} must be a bool, got {type(value).__name__} {value!r}")
 
 
-def check_dims(name: str, t: Tensor, expected: tuple, labels: str) -> None:
-    """Check t.shape == expected one dimension at a time (None matches any size).
+def check_dims(
+    name: str, t: Tensor, expected: tuple, labels: str, fn: str = "selective_scan"
+) -> None:
+    """Check t.shape == expected one dimension at a time (None matches any size); ``fn`` names
+    the public function in the message.
 
     One check per dimension keeps symbolic sizes symbolic (no Python ``and`` forces a guard),
     and the message is only formatted when a check fails.
@@ -106,8 +109,8 @@ def check_dims(name: str, t: Tensor, expected: tuple, labels: str) -> None:
             check_size(
                 actual == want,
                 lambda: (
-                    f"selective_scan: {name} must have shape {labels} = "
-                    f"{_format_shape(expected)}, got {_shape(t)}"
+                    f"{fn}: {name} must have shape {labels} = {_format_shape(expected)}, "
+                    f"got {_shape(t)}"
                 ),
             )
 

@@ -33,6 +33,7 @@ from torch import Tensor
 from ._checks import _FLOAT_DTYPES, _INDEX_DTYPES, _shape, check_dims, check_size, check_tensor
 
 # Argument order of the step: (state, x, dt, A, B, C, D, z, dt_bias).
+_FN = "selective_state_update"  # in the messages
 NAMES = ("state", "x", "dt", "A", "B", "C", "D", "z", "dt_bias")
 # (heads-form rank, axis a plain argument lacks) for each argument, in NAMES order.
 _LIFT = ((4, 1), (3, 1), (3, 1), (3, 0), (3, 1), (3, 1), (2, 0), (3, 1), (2, 0))
@@ -55,13 +56,13 @@ def _check(name: str, t: object, expected: tuple, heads: bool, device) -> None:
             f"selective_state_update: {name} must have shape {labels} for a state of "
             f"{4 if heads else 3} dimensions, got {_shape(t)}"
         )
-    check_tensor(name, t, (len(expected),))
+    check_tensor(name, t, (len(expected),), fn=_FN)
     if t.device != device:
         raise ValueError(
             f"selective_state_update: {name} is on {t.device} but state is on {device}; "
             "all tensors must be on the same device"
         )
-    check_dims(name, t, expected, labels)
+    check_dims(name, t, expected, labels, fn=_FN)
 
 
 def _expected(t: object, shape: tuple, rank: int, axis: int, heads: bool) -> tuple:
@@ -100,7 +101,7 @@ def check_state_update_inputs(
 
     Returns (batch, nheads, dim, dstate, ngroups, compute dtype), nheads = ngroups = 1 in the
     plain form; the compute dtype is float64 when an input is float64, else float32."""
-    check_tensor("state", state, (3, 4))
+    check_tensor("state", state, (3, 4), fn=_FN)
     heads = state.dim() == 4
     batch, nheads, dim, dstate = state.shape if heads else (state.shape[0], 1, *state.shape[1:])
     for size in (batch, nheads, dim, dstate):
@@ -109,9 +110,8 @@ def check_state_update_inputs(
             lambda: f"selective_state_update: state must be non-empty, got {_shape(state)}",
         )
     if state_batch_indices is not None:  # batch rows pick slots of the state
-        check_tensor(
-            "state_batch_indices", state_batch_indices, (1,), _INDEX_DTYPES, state.device, "state"
-        )
+        check_tensor("state_batch_indices", state_batch_indices, (1,), _INDEX_DTYPES, state.device,
+                     "state", fn=_FN)  # fmt: skip
         batch = state_batch_indices.shape[0]
         check_size(
             batch >= 1,
@@ -120,6 +120,14 @@ def check_state_update_inputs(
                 f"{_shape(state_batch_indices)}"
             ),
         )
+        if isinstance(x, Tensor) and x.dim() >= 1:  # name the indices, not x, when they differ
+            check_size(
+                batch == x.shape[0],
+                lambda: (
+                    "selective_state_update: state_batch_indices must have one entry per batch "
+                    f"row of x, shape ({x.shape[0]},), got {_shape(state_batch_indices)}"
+                ),
+            )
 
     def bc(t: object) -> tuple:
         return (batch, groups(t) if isinstance(t, Tensor) else 1, dstate)

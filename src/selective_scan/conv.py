@@ -27,13 +27,15 @@ def _check_conv_inputs(
     (None, "silu", "swish"). ``name`` is the public function, for the messages."""
     if activation not in _ACTIVATIONS:
         raise ValueError(f"{name}: activation must be one of {_ACTIVATIONS}, got {activation!r}")
-    check_tensor("x", x, (3,))
+    check_tensor("x", x, (3,), fn=name)
     check_non_empty(name, "x", x, "(batch, dim, seqlen)")
     dim = x.shape[1]
-    check_tensor("weight", weight, (2,), device=x.device, ref="x")
+    check_tensor("weight", weight, (2,), device=x.device, ref="x", fn=name)
     check_shape(name, "weight", weight, (dim, None), "(dim, width)")
+    if weight.shape[1] < 1:
+        raise ValueError(f"{name}: weight must have width >= 1, got shape {tuple(weight.shape)}")
     if bias is not None:
-        check_tensor("bias", bias, (1,), device=x.device, ref="x")
+        check_tensor("bias", bias, (1,), device=x.device, ref="x", fn=name)
         check_shape(name, "bias", bias, (dim,), "(dim,)")
 
 
@@ -121,7 +123,7 @@ def causal_conv1d_fn(
     if initial_states is None:
         x_hist = F.pad(x, (width - 1, 0))
     else:
-        check_tensor("initial_states", initial_states, (3,), device=x.device, ref="x")
+        check_tensor("initial_states", initial_states, (3,), device=x.device, ref="x", fn=fn)
         check_shape(
             fn, "initial_states", initial_states, (batch, dim, width - 1), "(batch, dim, width - 1)"
         )
@@ -148,7 +150,8 @@ def _check_seq_idx(
 ) -> None:
     """seq_idx: (batch, seqlen) int32/int64, with neither initial nor final states."""
     fn = "causal_conv1d_fn"
-    check_tensor("seq_idx", seq_idx, (2,), dtypes=_INDEX_DTYPES, device=x.device, ref="x")
+    check_tensor("seq_idx", seq_idx, (2,), dtypes=_INDEX_DTYPES, device=x.device, ref="x",
+                 fn=fn)  # fmt: skip
     check_shape(fn, "seq_idx", seq_idx, (x.shape[0], x.shape[2]), "(batch, seqlen)")
     if initial_states is not None or return_final_states:
         raise ValueError(
@@ -164,7 +167,8 @@ def _check_varlen_inputs(x, weight, bias, cu_seqlens, initial_states, activation
     fn = "causal_conv1d_varlen_fn"
     _check_conv_inputs(fn, x, weight, bias, activation)
     check_shape(fn, "x", x, (1, None, None), "(1, dim, total_len)")  # packed along seqlen
-    check_tensor("cu_seqlens", cu_seqlens, (1,), dtypes=_INDEX_DTYPES, device=x.device, ref="x")
+    check_tensor("cu_seqlens", cu_seqlens, (1,), dtypes=_INDEX_DTYPES, device=x.device,
+                 ref="x", fn=fn)  # fmt: skip
     num_seqs = cu_seqlens.shape[0] - 1
     if num_seqs < 1:
         raise ValueError(
@@ -174,7 +178,7 @@ def _check_varlen_inputs(x, weight, bias, cu_seqlens, initial_states, activation
     if not torch.compiler.is_compiling() and cu_seqlens.device.type == "cpu":
         check_cu_seqlens_values(cu_seqlens, x.shape[-1])  # reading a CPU tensor is no sync
     if initial_states is not None:
-        check_tensor("initial_states", initial_states, (3,), device=x.device, ref="x")
+        check_tensor("initial_states", initial_states, (3,), device=x.device, ref="x", fn=fn)
         labels = "(num_seqs, dim, state_len)"
         check_shape(fn, "initial_states", initial_states, (num_seqs, x.shape[1], None), labels)
         if initial_states.shape[-1] < weight.shape[1] - 1:
@@ -269,13 +273,13 @@ def causal_conv1d_update(
     _check_conv_inputs(fn, x3, weight, bias, activation)
     batch, dim, seqlen = x3.shape
     width = weight.shape[1]
-    check_tensor("conv_state", conv_state, (3,), device=x.device, ref="x")
+    check_tensor("conv_state", conv_state, (3,), device=x.device, ref="x", fn=fn)
     if conv_state_indices is None:
         state = conv_state
         check_shape(fn, "conv_state", conv_state, (batch, dim, None), "(batch, dim, state_len)")
     else:
         check_tensor("conv_state_indices", conv_state_indices, (1,), dtypes=_INDEX_DTYPES,
-                     device=x.device, ref="x")  # fmt: skip
+                     device=x.device, ref="x", fn=fn)  # fmt: skip
         check_shape(fn, "conv_state_indices", conv_state_indices, (batch,), "(batch,)")
         check_shape(fn, "conv_state", conv_state, (None, dim, None), "(num_rows, dim, state_len)")
         state = conv_state.index_select(0, conv_state_indices)

@@ -197,14 +197,15 @@ def _check_inner_inputs(
     """What the later ops would reject with less clear messages, or not at all (a projection
     with too many rows, a broadcast bias); the scan checks B, C, D and delta_bias."""
     fn = "mamba_inner_fn"
-    check_tensor("xz", xz, (3,))
+    check_tensor("xz", xz, (3,), fn=fn)
     d_inner = xz.shape[1] // 2
     check_shape(fn, "xz", xz, (None, 2 * d_inner, None), "(batch, 2 * d_inner, seqlen)")
     check_non_empty(fn, "xz", xz, "(batch, 2 * d_inner, seqlen)")
     device = xz.device
-    check_tensor("A", A, (2,), dtypes=_FLOAT_DTYPES + _COMPLEX_DTYPES, device=device, ref="xz")
+    check_tensor("A", A, (2,), dtypes=_FLOAT_DTYPES + _COMPLEX_DTYPES, device=device, ref="xz",
+                 fn=fn)  # fmt: skip
     dstate = _bc_columns(A)
-    check_tensor("delta_proj_weight", delta_proj_weight, (2,), device=device, ref="xz")
+    check_tensor("delta_proj_weight", delta_proj_weight, (2,), device=device, ref="xz", fn=fn)
     rank = delta_proj_weight.shape[1]
     check_shape(fn, "delta_proj_weight", delta_proj_weight, (d_inner, None), "(d_inner, rank)")
     rows = rank + (dstate if B is None else 0) + (dstate if C is None else 0)
@@ -231,10 +232,10 @@ def _check_inner_inputs(
     required = ("conv1d_weight", "x_proj_weight", "out_proj_weight")
     for name, t, expected, labels in weights:
         if t is not None or name in required:
-            check_tensor(name, t, (len(expected),), device=device, ref="xz")
+            check_tensor(name, t, (len(expected),), device=device, ref="xz", fn=fn)
             check_shape(fn, name, t, expected, labels)
     if out_proj_bias is not None:
-        check_tensor("out_proj_bias", out_proj_bias, (1,), device=device, ref="xz")
+        check_tensor("out_proj_bias", out_proj_bias, (1,), device=device, ref="xz", fn=fn)
         check_shape(fn, "out_proj_bias", out_proj_bias, (out_proj_weight.shape[0],), "(d_model,)")
     if not torch.is_autocast_enabled(device.type):  # autocast casts the convolution and linears
         for name, t in (

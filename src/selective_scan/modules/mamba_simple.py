@@ -178,7 +178,8 @@ class Mamba(nn.Module):
         """(batch, seqlen, d_model) on the layer's device, in its dtype outside autocast (the
         projections would fail with torch's own messages)."""
         weight = self.in_proj.weight
-        check_tensor("hidden_states", hidden_states, (3,), device=weight.device, ref="the layer")
+        check_tensor("hidden_states", hidden_states, (3,), device=weight.device, ref="the layer",
+                     fn=fn)  # fmt: skip
         labels = "(batch, seqlen, d_model)" if seqlen is None else "(batch, 1, d_model)"
         check_shape(fn, "hidden_states", hidden_states, (None, seqlen, self.d_model), labels)
         check_non_empty(fn, "hidden_states", hidden_states, labels)
@@ -286,7 +287,7 @@ class Mamba(nn.Module):
         """Check the arguments of forward; returns (conv_state, ssm_state), a zero conv_state
         and no ssm_state (the scan starts from zeros) when initial_states is None."""
         fn = "Mamba.forward"
-        check_tensor("hidden_states", hidden_states, (3,))
+        check_tensor("hidden_states", hidden_states, (3,), fn=fn)
         rows, rows_label = hidden_states.shape[0], "batch"
         if cu_seqlens is not None:
             if hidden_states.shape[0] != 1:
@@ -295,7 +296,7 @@ class Mamba(nn.Module):
                     "hidden_states must have shape (1, total_len, d_model), got "
                     f"{tuple(hidden_states.shape)}"
                 )
-            check_tensor("cu_seqlens", cu_seqlens, (1,), dtypes=(torch.int32, torch.int64))
+            check_tensor("cu_seqlens", cu_seqlens, (1,), dtypes=(torch.int32, torch.int64), fn=fn)
             rows, rows_label = cu_seqlens.shape[0] - 1, "num_seqs"
         if initial_states is None:
             conv_state = hidden_states.new_zeros(rows, self.d_inner, self.d_conv)
@@ -310,7 +311,7 @@ class Mamba(nn.Module):
             ("conv_state", conv_state, self.d_conv, "d_conv"),
             ("ssm_state", ssm_state, self.d_state, "d_state"),
         ):
-            check_tensor(name, state, (3,))
+            check_tensor(name, state, (3,), fn=fn)
             shape_label = f"({rows_label}, d_inner, {size_label})"
             expected = (rows, self.d_inner, size)
             check_shape(fn, f"initial_states' {name}", state, expected, shape_label)
@@ -323,7 +324,8 @@ class Mamba(nn.Module):
         conv_state, ssm_state), the states updated in place."""
         fn = "Mamba.step"
         self._check_hidden_states(fn, hidden_states, seqlen=1)
-        check_tensor("ssm_state", ssm_state, (3,), device=hidden_states.device, ref="hidden_states")
+        check_tensor("ssm_state", ssm_state, (3,), device=hidden_states.device,
+                     ref="hidden_states", fn=fn)  # fmt: skip
         rows = (hidden_states.shape[0], self.d_inner, self.d_state)
         check_shape(fn, "ssm_state", ssm_state, rows, "(batch, d_inner, d_state)")
         x, z = self._in_proj(hidden_states[:, 0])  # (batch, d_inner) each
