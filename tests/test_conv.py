@@ -224,6 +224,29 @@ def test_update_with_conv_state_indices():
     assert torch.equal(pool[[1, 3]], untouched)
 
 
+@pytest.mark.parametrize("indices", [[-1, 0, 7, 2, -1], [3, -1, 2, 9, 1]], ids=["row0", "no_row0"])
+def test_update_skips_padding_rows(indices):
+    """Rows of x whose index is negative (padding) or past the pool leave every row of the pool
+    alone and get out 0; the others step their rows, also row 0, which the padding rows are
+    sent to (their writes carry row 0's new value: the result does not depend on their
+    order)."""
+    inputs = conv_inputs(batch=5)
+    pool = torch.randn(4, DIM, 3)
+    before = pool.clone()
+    rows = torch.tensor(indices)
+    kept = [b for b, i in enumerate(indices) if 0 <= i < 4]
+    x = inputs["x"][..., :2]
+    expected_rows = pool[rows[kept]].clone()
+    expected = causal_conv1d_update(x[kept], expected_rows, inputs["weight"], inputs["bias"])
+    out = causal_conv1d_update(x, pool, inputs["weight"], inputs["bias"], conv_state_indices=rows)
+    assert torch.equal(out[kept], expected)
+    padding = [b for b in range(5) if b not in kept]
+    assert torch.equal(out[padding], torch.zeros_like(out[padding]))
+    assert torch.equal(pool[rows[kept]], expected_rows)
+    untouched = [r for r in range(4) if r not in indices]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
 def call_fn(**changes):
     return lambda: causal_conv1d_fn(**conv_inputs() | changes)
 

@@ -257,7 +257,9 @@ def causal_conv1d_update(
     x: (batch, dim) or (batch, dim, seqlen), the new inputs; conv_state: (batch, dim,
     state_len) with state_len >= width - 1, the latest inputs (oldest first); weight:
     (dim, width); bias: (dim,); conv_state_indices: (batch,) int32/int64, the rows of a larger
-    conv_state (num_rows, dim, state_len) that x's rows continue (continuous batching).
+    conv_state (num_rows, dim, state_len) that x's rows continue (continuous batching); each
+    row named at most once; a row of x whose index is negative (padding) or not below num_rows
+    leaves every row alone and gets out 0, as in selective_state_update.
     Returns out shaped like x, in x's dtype; conv_state then ends with the new inputs.
 
     Not supported: cache_seqlens (conv_state as a circular buffer); passing it raises ValueError.
@@ -282,7 +284,11 @@ def causal_conv1d_update(
                      device=x.device, ref="x", fn=fn)  # fmt: skip
         check_shape(fn, "conv_state_indices", conv_state_indices, (batch,), "(batch,)")
         check_shape(fn, "conv_state", conv_state, (None, dim, None), "(num_rows, dim, state_len)")
-        state = conv_state.index_select(0, conv_state_indices)
+        # A row whose index is negative (padding) or not below num_rows reads row 0 and
+        # writes nothing (see _write_rows); its out is 0, as selective_state_update's.
+        kept = (conv_state_indices >= 0) & (conv_state_indices < conv_state.shape[0])
+        rows = torch.where(kept, conv_state_indices, 0).long()
+        state = conv_state.index_select(0, rows)
     state_len = state.shape[-1]
     if state_len < width - 1:
         raise ValueError(
@@ -295,6 +301,18 @@ def causal_conv1d_update(
     if conv_state_indices is None:
         conv_state.copy_(new_state)
     else:
-        conv_state.index_copy_(0, conv_state_indices.long(), new_state)
+        _write_rows(conv_state, rows, kept, new_state)
+        out = torch.where(kept[:, None, None], out, 0.0)
     out = out.to(x3.dtype)
     return out.squeeze(-1) if one_step else out
+
+
+def _write_rows(pool: Tensor, rows: Tensor, kept: Tensor, new: Tensor) -> None:
+    """pool[rows[b]] = new[b] for the rows kept, without reading kept on the host (no
+    synchronization in a decode step). The others were sent to row 0: they write what row 0
+    holds after the step, the new row of the kept row that names row 0 if one does, else its
+    old content, so that every write to row 0 carries the same value, whatever their order."""
+    names_0 = kept & (rows == 0)
+    first = names_0.int().argmax()  # a kept row naming row 0, if any (each row is named once)
+    row_0 = torch.where(names_0.any(), new[first], pool[0])
+    pool.index_copy_(0, rows, torch.where(kept[:, None, None], new, row_0))
