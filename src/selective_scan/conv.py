@@ -313,6 +313,7 @@ def _write_rows(pool: Tensor, rows: Tensor, kept: Tensor, new: Tensor) -> None:
     holds after the step, the new row of the kept row that names row 0 if one does, else its
     old content, so that every write to row 0 carries the same value, whatever their order."""
     names_0 = kept & (rows == 0)
-    first = names_0.int().argmax()  # a kept row naming row 0, if any (each row is named once)
-    row_0 = torch.where(names_0.any(), new[first], pool[0])
+    first = names_0.int().argmax().reshape(1)  # the kept row naming row 0, if one does
+    # index_select, not new[first]: indexing by a 0-d tensor reads it on the host
+    row_0 = torch.where(names_0.any(), new.index_select(0, first)[0], pool[0])
     pool.index_copy_(0, rows, torch.where(kept[:, None, None], new, row_0))
