@@ -282,30 +282,16 @@ def scan_bwd(
     return launch_bwd(dout, dlast_state, args, checkpoints, current_policy())
 
 
-def scan_bwd_autograd(
-    dout: Tensor,
-    dlast_state: Tensor | None,
-    u: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None,
-    z: Tensor | None,
-    delta_bias: Tensor | None,
-    initial_state: Tensor | None,
-    cu_seqlens: Tensor | None,
-    checkpoints: Tensor,
-    delta_softplus: bool,
-) -> tuple:
-    """scan_bwd as the forward op's autograd backward calls it in plain eager calls
-    (ops.run_backward), without the checks and allocations that call does not need: autograd
-    has checked dout and dlast_state against the forward's outputs (shape, dtype, device), the
-    checkpoints are the forward's own, and the gradients of absent inputs are None, not empty
-    tensors (autograd takes None for them; design §1.5)."""
-    args = ScanArgs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens,
-                    delta_softplus)  # fmt: skip
-    return launch_bwd(dout, dlast_state, args, checkpoints, current_policy(), for_autograd=True)
+def scan_bwd_autograd(dout: Tensor, dlast_state: Tensor | None, *args) -> tuple:
+    """scan_bwd (same arguments: the forward's ten inputs, checkpoints, delta_softplus) as the
+    forward op's autograd backward calls it in plain eager calls (ops.run_backward), without
+    the checks and allocations that call does not need: autograd has checked dout and
+    dlast_state against the forward's outputs (shape, dtype, device), the checkpoints are the
+    forward's own, and the gradients of absent inputs are None, not empty tensors (autograd
+    takes None for them; design §1.5)."""
+    *inputs, checkpoints, delta_softplus = args
+    return launch_bwd(dout, dlast_state, ScanArgs(*inputs, delta_softplus), checkpoints,
+                      current_policy(), for_autograd=True)  # fmt: skip
 
 
 def launch_bwd(dout: Tensor, dlast_state: Tensor | None, args: ScanArgs, checkpoints: Tensor,
