@@ -173,14 +173,14 @@ def synchronizing_calls(step) -> list[str]:
     host-device synchronization would make the host wait for the GPU's queue."""
     step()
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
+    torch.cuda.set_sync_debug_mode("warn")  # outside the catch: it warns that it is a prototype
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             for _ in range(3):
                 step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     return sorted({str(w.message).splitlines()[0] for w in caught})
 

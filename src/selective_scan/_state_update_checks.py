@@ -56,12 +56,7 @@ def _check(name: str, t: object, expected: tuple, heads: bool, device) -> None:
             f"selective_state_update: {name} must have shape {labels} for a state of "
             f"{4 if heads else 3} dimensions, got {_shape(t)}"
         )
-    check_tensor(name, t, (len(expected),), fn=_FN)
-    if t.device != device:
-        raise ValueError(
-            f"selective_state_update: {name} is on {t.device} but state is on {device}; "
-            "all tensors must be on the same device"
-        )
+    check_tensor(name, t, (len(expected),), device=device, ref="state", fn=_FN)
     check_dims(name, t, expected, labels, fn=_FN)
 
 

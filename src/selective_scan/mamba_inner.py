@@ -221,7 +221,7 @@ def _check_inner_inputs(
         ("conv1d_bias", conv1d_bias, (d_inner,), "(d_inner,)"),
         ("x_proj_weight", x_proj_weight, (rows, d_inner),
          "(rank + dstate [B from x_proj] + dstate [C from x_proj], d_inner), rank from "
-         f"delta_proj_weight, dstate from A's shape {tuple(A.shape)} (doubled for complex A)"),
+         "delta_proj_weight's columns, dstate from A's (doubled for complex A)"),
         ("out_proj_weight", out_proj_weight, (None, d_inner), "(d_model, d_inner)"),
         ("B_proj_bias", B_proj_bias, (dstate,), "(dstate,)"),
         ("C_proj_bias", C_proj_bias, (dstate,), "(dstate,)"),

@@ -305,10 +305,7 @@ def launch_bwd(dout: Tensor, dlast_state: Tensor | None, args: ScanArgs, checkpo
     unused = p.unused_buffer(u)
     du = new_rows(u, p.layout, u.dtype)
     ddelta = new_rows(u, p.layout, args.delta.dtype)
-    if args.z is not None:
-        dz = new_rows(u, p.layout, args.z.dtype)
-    else:  # passed, never written; returned by the op (for autograd: None)
-        dz = unused if for_autograd else u.new_empty((0,))
+    dz = unused if args.z is None else new_rows(u, p.layout, args.z.dtype)
     if restaged(dout, p.pad, T):
         dout = staged(dout, p.layout)
     scratch = p.scratch(u, lambda: backward_scratch(p, args))
@@ -352,7 +349,7 @@ def launch_bwd(dout: Tensor, dlast_state: Tensor | None, args: ScanArgs, checkpo
         dB,
         dC,
         empty() if args.D is None else dD,
-        unpadded(dz, p.layout) if args.z is not None else None if for_autograd else dz,
+        empty() if args.z is None else unpadded(dz, p.layout),
         empty() if args.delta_bias is None else dbias,
         empty() if not has_h0 else _fresh(dh0, args.initial_state),
     )
