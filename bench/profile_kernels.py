@@ -70,7 +70,7 @@ def compiled_calls(shape: str, seqlen: int | None):
     from gpu_bench import _no_grad, _public_fwd, compiled_public, leaf_args  # imports this
 
     x = make_bench_inputs(shape, small_seqlen=seqlen)
-    compiled = compiled_public(leaf_args(x))
+    compiled = compiled_public(leaf_args(x), x)
     return (lambda: _public_fwd(x)), (lambda: _no_grad(compiled, x))
 
 
