@@ -125,8 +125,8 @@ def compiled_public(leaves: dict, plain: dict):
     """selective_scan_fn under torch.compile(dynamic=True, fullgraph=True), compiled at the
     example's sizes for a forward + backward (leaves, leaf_args) and for a forward without
     gradients on inputs that require none (plain: bench inputs, as the timed calls pass them;
-    with the leaves, Dynamo's guards on requires_grad failed at the first timed call, which
-    compiled a third graph outside the cache switch).
+    compiled on the leaves instead, Dynamo's guards on requires_grad fail at the first timed
+    call, which compiles a third graph outside the cache switch).
     The tiles follow the sizes of the example compiled (kernels/tiles.py), so each shape
     compiles its own: from a copy of the function's code (Dynamo keeps its graphs by code
     object), with the compile caches off (their keys omit the sizes: a graph compiled for another
