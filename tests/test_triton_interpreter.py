@@ -860,36 +860,42 @@ def test_eager_forward_allocates_only_what_it_uses():
     assert len(allocations) == 4, allocations  # out, last_state, checkpoints, B/C blocks
 
 
-def test_eager_backward_allocates_its_gradients_and_one_scratch():
+@pytest.fixture(scope="module")
+def bf16_forward():
+    """(inputs, out, checkpoints) of one interpreted bfloat16 forward, shared by the backward's
+    cases (each interpreted forward costs seconds of CI time)."""
+    x = make_inputs(device=DEVICE, batch=2, dim=64, dstate=16, seqlen=64, dtype=torch.bfloat16)
+    inputs = [x[k] for k in SCAN_INPUTS[:8]]
+    out, _, ckpt = scan.scan_fwd(*inputs, None, None, True)
+    return inputs, out, ckpt
+
+
+@pytest.mark.parametrize("for_autograd", [False, True], ids=["op", "autograd"])
+def test_eager_backward_allocates_its_gradients_and_one_scratch(bf16_forward, for_autograd):
     """The eager backward allocates the gradients it returns (the op: an empty one for each
     absent input; what autograd calls, scan_bwd_autograd: None instead) and one buffer that its
     internal ones are carved from (partial sums, B/C blocks, the chunks' scratch, range
     results): views starting at multiples of 256 bytes into it, as aligned as allocations of
     their own. Launches are recorded, not run."""
-    x = make_inputs(device=DEVICE, batch=2, dim=64, dstate=16, seqlen=64, dtype=torch.bfloat16)
-    inputs = [x[k] for k in SCAN_INPUTS[:8]]
-    out, _, ckpt = scan.scan_fwd(*inputs, None, None, True)
-    for backward_fn, placeholders in ((scan.scan_bwd, 1), (scan.scan_bwd_autograd, 0)):
-        modes = [RecordOps(), RecordOps()]
-        grads = []
+    inputs, out, ckpt = bf16_forward
+    modes = [RecordOps(), RecordOps()]
+    backward_fn = scan.scan_bwd_autograd if for_autograd else scan.scan_bwd
+    grads = []
 
-        def backward(mode, backward_fn=backward_fn, grads=grads):
-            with mode:
-                grads.append(backward_fn(torch.randn_like(out), None, *inputs, None, None, ckpt,
-                                         True))  # fmt: skip
+    def backward(mode):
+        with mode:
+            grads.append(backward_fn(torch.randn_like(out), None, *inputs, None, None, ckpt, True))
 
-        launches = offline.record_launches(lambda modes=modes: [backward(m) for m in modes])
-        allocations = [op for op in modes[1].ops if "empty" in str(op)]
-        # du, ddelta, dz, the scratch, dA, dB, dC, dD, ddelta_bias (, an empty dinitial_state)
-        assert len(allocations) == 9 + placeholders, allocations
-        assert (grads[1][-1] is None) == (placeholders == 0)
-        kw = next(kw for kernel, _, kw, _ in launches if kernel is _scan_bwd_kernel)
-        carved = [
-            kw[k] for k in ("dA_ptr", "dB_ptr", "dC_ptr", "dD_ptr", "dbias_ptr", "scratch_ptr")
-        ]
-        (base,) = {t.untyped_storage().data_ptr() for t in carved}
-        assert all((t.data_ptr() - base) % common.CARVE_ALIGN == 0 for t in carved)
-        assert kw["dB_ptr"].dtype == torch.bfloat16 and kw["dA_ptr"].dtype == torch.float32
+    launches = offline.record_launches(lambda: [backward(mode) for mode in modes])
+    allocations = [op for op in modes[1].ops if "empty" in str(op)]
+    # du, ddelta, dz, the scratch, dA, dB, dC, dD, ddelta_bias (, an empty dinitial_state)
+    assert len(allocations) == 10 - for_autograd, allocations
+    assert (grads[1][-1] is None) == for_autograd
+    kw = next(kw for kernel, _, kw, _ in launches if kernel is _scan_bwd_kernel)
+    carved = [kw[k] for k in ("dA_ptr", "dB_ptr", "dC_ptr", "dD_ptr", "dbias_ptr", "scratch_ptr")]
+    (base,) = {t.untyped_storage().data_ptr() for t in carved}
+    assert all((t.data_ptr() - base) % common.CARVE_ALIGN == 0 for t in carved)
+    assert kw["dB_ptr"].dtype == torch.bfloat16 and kw["dA_ptr"].dtype == torch.float32
 
 
 def test_traced_calls_allocate_each_buffer():
