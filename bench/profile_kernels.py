@@ -6,17 +6,21 @@
 
 Where `gpu_bench.py` reports the sum, this splits a call into its launches (the ranges' local
 pass, the main kernel, the partial-sum reductions, copies of padded rows), which is what a
-change to one of them must be judged by. `--plain` runs each call once without the profiler,
-for an outside profiler such as Nsight Compute (`ncu -k regex:_scan_bwd`). `--compiled` splits
-the public forward's eager call and its call under torch.compile(dynamic=True), compiled as
-`gpu_bench.py` compiles it, instead; `--train` a training step of the public function (its
-loss, backward and gradient accumulation) eager and compiled with static and dynamic shapes.
+change to one of them must be judged by. Each call's host and wall time are printed too
+(host_and_wall_us): where they are equal, the call is host-bound. `--plain` runs each call once
+without the profiler, for an outside profiler such as Nsight Compute (`ncu -k regex:_scan_bwd`).
+`--compiled` splits the public forward's eager call and its call under
+torch.compile(dynamic=True), compiled as `gpu_bench.py` compiles it, instead; `--train` a
+training step of the public function (its loss, backward and gradient accumulation) eager and
+compiled with static and dynamic shapes. With TORCH_LOGS=output_code, Inductor prints the
+compiled calls' wrapper code (the launches and what is computed on the host between them).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -63,6 +67,21 @@ def per_kernel_us(fn, calls: int) -> list[tuple[str, float]]:
     for k, e in enumerate(events[: per_call * calls]):
         rows[k % per_call][1] += e.device_time / calls
     return [(name, us) for name, us in rows]
+
+
+def host_and_wall_us(fn, calls: int = 50) -> tuple[float, float]:
+    """(host us a call, wall us a call) of ``calls`` calls made back to back: the host's time to
+    queue them, and the time until the GPU has finished them. Equal figures mean the calls are
+    host-bound: the GPU waits on the host, and kernel times alone understate what a call costs."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    queued = time.perf_counter()
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    return 1e6 * (queued - start) / calls, 1e6 * (done - start) / calls
 
 
 def compiled_calls(shape: str, seqlen: int | None):
@@ -123,7 +142,9 @@ def profile(args) -> None:
                 continue
             rows = per_kernel_us(fn, args.calls)
             total = sum(us for _, us in rows)
-            print(f"{shape} {direction} {SHAPES[shape]} {args.config}: {total:.1f} us of kernels")
+            host, wall = host_and_wall_us(fn)
+            print(f"{shape} {direction} {SHAPES[shape]} {args.config}: {total:.1f} us of kernels;"
+                  f" {host:.1f} us of host, {wall:.1f} us of wall time a call")  # fmt: skip
             for name, us in rows:
                 print(f"    {us:9.1f} us  {name[:90]}")
 
