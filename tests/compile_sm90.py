@@ -58,7 +58,7 @@ def scan_layout_faults(ttgir: str) -> list[str]:
 def complex_launches(case: dict) -> list[tuple]:
     """The launches of a forward and a backward of the complex kernels (kernels/complex_scan.py)
     on test_complex's inputs (complex_inputs arguments; dtype by name)."""
-    x = complex_inputs(**dict(case, dtype=getattr(torch, case["dtype"])))
+    x = complex_inputs(**dict(case, dtype=getattr(torch, case["dtype"]), device="cpu"))
     args = ScanArgs(**x, cu_seqlens=None, delta_softplus=True)
 
     def both_directions():

@@ -11,6 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from selective_scan import selective_scan_fn, selective_scan_ref
 from selective_scan._checks import compute_dtype
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 OPTIONAL = ("D", "z", "delta_bias", "initial_state", "cu_seqlens")
 # The scan ops' tensor inputs in schema order (make_inputs' keys).
 SCAN_INPUTS = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "cu_seqlens")
@@ -25,7 +27,7 @@ def make_inputs(
     c_form: str = "variable",
     groups: int = 2,
     dtype: torch.dtype = torch.float32,
-    device: str = "cuda" if torch.cuda.is_available() else "cpu",
+    device: str = DEVICE,
     D: bool = True,
     z: bool = True,
     delta_bias: bool = True,
@@ -238,9 +240,10 @@ class RecordOps(TorchDispatchMode):
 
 
 def complex_inputs(form_b="variable", form_c="constant", batch=2, dim=4, dstate=3, seqlen=9,
-                   dtype=torch.float64, seed=0) -> dict:  # fmt: skip
+                   dtype=torch.float64, seed=0, device=DEVICE) -> dict:  # fmt: skip
     """Fresh inputs with complex A (negative real parts): constant B/C complex (dim, dstate),
-    variable ones real (batch, [2 groups,] dstate, 2 * seqlen), parts interleaved in time."""
+    variable ones real (batch, [2 groups,] dstate, 2 * seqlen), parts interleaved in time; drawn
+    on the CPU (the same values everywhere), on ``device`` (a GPU where there is one)."""
     gen = torch.Generator().manual_seed(seed)
     cdt = torch.complex128 if dtype == torch.float64 else torch.complex64
 
@@ -258,7 +261,7 @@ def complex_inputs(form_b="variable", form_c="constant", batch=2, dim=4, dstate=
     f64, c128 = torch.float64, torch.complex128
     A = torch.complex(-0.5 * torch.rand(dim, dstate, generator=gen, dtype=f64) - 0.1,
                       torch.randn(dim, dstate, generator=gen, dtype=f64)).to(cdt)  # fmt: skip
-    return dict(
+    inputs = dict(
         u=real(batch, dim, seqlen),
         delta=0.5 * real(batch, dim, seqlen, kind=torch.rand),
         A=A,
@@ -269,3 +272,4 @@ def complex_inputs(form_b="variable", form_c="constant", batch=2, dim=4, dstate=
         delta_bias=0.5 * real(dim, kind=torch.rand),
         initial_state=torch.randn(batch, dim, dstate, generator=gen, dtype=c128).to(cdt),
     )
+    return {k: v.to(device) for k, v in inputs.items()}

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import BACKENDS, TRITON_RUNS
-from helpers import complex_inputs
+from helpers import DEVICE, complex_inputs
 from torch.library import opcheck
 
 from selective_scan import mamba_inner_fn, ops, selective_scan_fn, selective_scan_ref
@@ -85,9 +85,7 @@ def test_kernels_match_the_torch_code(form_b, form_c, options, monkeypatch):
     code's in float64, across three chunks, with outputs poisoned before the kernels write."""
     if not TRITON_RUNS:
         pytest.skip("needs triton on a GPU or under the interpreter")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    x = {k: v if v is None else v.to(device)
-         for k, v in (complex_inputs(form_b, form_c, seqlen=130) | options).items()}  # fmt: skip
+    x = complex_inputs(form_b, form_c, seqlen=130) | options
     names = [k for k, v in x.items() if v is not None]
     results = {}
     for backend in ("torch", "triton"):
@@ -95,8 +93,8 @@ def test_kernels_match_the_torch_code(form_b, form_c, options, monkeypatch):
         leaves = {k: v.detach().clone().requires_grad_(True) for k, v in x.items() if v is not None}
         out, last = selective_scan_fn(**leaves, delta_softplus=True, return_last_state=True)
         gen = torch.Generator().manual_seed(1)
-        w_out = torch.randn(out.shape, generator=gen, dtype=F64).to(device)
-        w_last = torch.randn(last.shape, generator=gen, dtype=C128).to(device)
+        w_out = torch.randn(out.shape, generator=gen, dtype=F64).to(DEVICE)
+        w_last = torch.randn(last.shape, generator=gen, dtype=C128).to(DEVICE)
         loss = (out * w_out).sum() + (last * w_last.conj()).real.sum()
         results[backend] = (out, last, *torch.autograd.grad(loss, [leaves[k] for k in names]))
     for name, got, want in zip(["out", "last", *names], results["triton"], results["torch"],
@@ -112,11 +110,10 @@ def test_kernels_match_the_torch_code_in_float32_and_bfloat16(monkeypatch):
     both computing in float32."""
     if not TRITON_RUNS:
         pytest.skip("needs triton on a GPU or under the interpreter")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     base = complex_inputs("grouped", "constant", dim=40, dstate=17, seqlen=70,
                           dtype=torch.float32)  # fmt: skip
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
-        x = {k: v.to(device) for k, v in base.items()}
+        x = dict(base)
         for name in ("u", "delta", "z"):  # (batch, dim, seqlen) views of (batch, seqlen, dim)
             x[name] = x[name].to(dtype).transpose(1, 2).contiguous().transpose(1, 2)
         x["B"] = x["B"].to(dtype)
@@ -126,7 +123,7 @@ def test_kernels_match_the_torch_code_in_float32_and_bfloat16(monkeypatch):
             leaves = {k: v.detach().clone().requires_grad_(True) for k, v in x.items()}
             out, last = selective_scan_fn(**leaves, delta_softplus=True, return_last_state=True)
             gen = torch.Generator().manual_seed(1)
-            w = torch.randn(out.shape, generator=gen).to(device)
+            w = torch.randn(out.shape, generator=gen).to(DEVICE)
             loss = (out.float() * w).sum() + last.abs().sum()
             results[backend] = (out, last, *torch.autograd.grad(loss, list(leaves.values())))
         names = ["out", "last", *x]
@@ -197,7 +194,8 @@ def test_triton_backend_runs_complex_a_on_the_complex_kernels(monkeypatch):
         (dict(B=lambda t: t[..., :9]), ValueError, r"B must have shape \(batch, dstate, 2 \* seq"),
         (dict(C=lambda t: t.real), TypeError, r"C must have dtype in \(complex64, complex128\)"),
         (dict(initial_state=lambda t: t.real), TypeError, r"initial_state must have dtype in \(co"),
-        (dict(cu_seqlens=lambda _: torch.tensor([0, 4, 9])), ValueError, r"complex A with cu_seq"),
+        (dict(cu_seqlens=lambda _: torch.tensor([0, 4, 9], device=DEVICE)), ValueError,
+         r"complex A with cu_seq"),
     ],
     ids=["B-steps", "C-real", "state-real", "cu_seqlens"],
 )  # fmt: skip
@@ -218,14 +216,14 @@ def test_mamba_inner_fn(checkpoint_lvl, backend):
     batch, d_inner, d_model, seqlen, N, rank, width = 2, 6, 5, 11, 3, 2, 4
 
     def rand(*shape, scale=0.5):
-        return (scale * torch.randn(*shape, generator=gen, dtype=F64)).requires_grad_(True)
+        return (scale * torch.randn(*shape, generator=gen, dtype=F64)).to(DEVICE).requires_grad_()
 
     xz = rand(batch, 2 * d_inner, seqlen, scale=1.0)
     conv_w, conv_b = rand(d_inner, 1, width), rand(d_inner)
     x_proj = rand(rank + 4 * N, d_inner)  # B and C: 2 N columns each
     dt_proj, out_proj = rand(d_inner, rank), rand(d_model, d_inner)
     A = torch.complex(-torch.rand(d_inner, N, generator=gen, dtype=F64) - 0.1,
-                      torch.randn(d_inner, N, generator=gen, dtype=F64))  # fmt: skip
+                      torch.randn(d_inner, N, generator=gen, dtype=F64)).to(DEVICE)  # fmt: skip
     A.requires_grad_(True)
     D, dt_bias = rand(d_inner), rand(d_inner)
     leaves = [xz, conv_w, conv_b, x_proj, dt_proj, out_proj, A, D, dt_bias]
@@ -245,7 +243,7 @@ def test_mamba_inner_fn(checkpoint_lvl, backend):
     y = selective_scan_ref(x, delta, A, B, C, D, z, dt_bias, delta_softplus=True)
     want = F.linear(y.transpose(1, 2), out_proj)
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
-    w = torch.randn(out.shape, generator=gen, dtype=F64)
+    w = torch.randn(out.shape, generator=gen, dtype=F64).to(DEVICE)
     got = torch.autograd.grad((out * w).sum(), leaves)
     expected = torch.autograd.grad((want * w).sum(), leaves)
     for g, e in zip(got, expected, strict=True):
