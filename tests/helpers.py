@@ -242,8 +242,9 @@ class RecordOps(TorchDispatchMode):
 def complex_inputs(form_b="variable", form_c="constant", batch=2, dim=4, dstate=3, seqlen=9,
                    dtype=torch.float64, seed=0, device=DEVICE) -> dict:  # fmt: skip
     """Fresh inputs with complex A (negative real parts): constant B/C complex (dim, dstate),
-    variable ones real (batch, [2 groups,] dstate, 2 * seqlen), parts interleaved in time; drawn
-    on the CPU (the same values everywhere), on ``device`` (a GPU where there is one)."""
+    variable ones real (batch, [2 groups,] dstate, 2 * seqlen), parts interleaved in time. Drawn
+    on the CPU, so every machine gets the same values, and returned on ``device``: the GPU where
+    there is one, so that the Triton backend runs its kernels, not the interpreter."""
     gen = torch.Generator().manual_seed(seed)
     cdt = torch.complex128 if dtype == torch.float64 else torch.complex64
 
