@@ -6,12 +6,11 @@ from __future__ import annotations
 import itertools
 
 import torch
+from conftest import DEVICE
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from selective_scan import selective_scan_fn, selective_scan_ref
 from selective_scan._checks import compute_dtype
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 OPTIONAL = ("D", "z", "delta_bias", "initial_state", "cu_seqlens")
 # The scan ops' tensor inputs in schema order (make_inputs' keys).

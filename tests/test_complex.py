@@ -7,8 +7,8 @@ kernels/complex_scan.py), and the kernels against the PyTorch code.
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import BACKENDS, TRITON_RUNS
-from helpers import DEVICE, complex_inputs
+from conftest import BACKENDS, DEVICE, TRITON_RUNS
+from helpers import complex_inputs
 from torch.library import opcheck
 
 from selective_scan import mamba_inner_fn, ops, selective_scan_fn, selective_scan_ref
