@@ -76,10 +76,11 @@ BACK_TO_BACK = 10  # calls a timed repetition makes in the *_b2b_ms figures
 def time_rotating(fn, count: int, calls: int = 1) -> float:
     """Median ms of fn(i), i cycling through count input sets; with calls > 1, of `calls` calls
     queued back to back, per call. do_bench flushes L2 and records an event before each
-    repetition: a call's host time before its last launch then shows in its figure wherever it
-    exceeds the flush's GPU time (a latency, as for a call the GPU waits on). Back to back, the
-    host queues the next call while the GPU runs this one, as in a training loop that never
-    synchronizes: the figure is the larger of the host's and the GPU's time a call."""
+    repetition: with one call a repetition, the call's host time before its last launch shows in
+    its figure wherever it exceeds the flush's GPU time (a latency: the GPU waits for the call),
+    and host time up to the flush's is hidden behind it. Back to back, the host queues the next
+    call while the GPU runs this one, as a training loop that never synchronizes does: the figure
+    is close to the larger of the host's and the GPU's time a call."""
     state = {"i": 0}
 
     def call():
