@@ -8,8 +8,9 @@ reached, peak memory of forward + backward, and the anchor ratios; the GPU time 
 kernels alone (profiler), and the public forward, eager and through torch.compile. Also: eager
 call vs torch.compile vs CUDA-graph replay for the small shape, eager vs compiled with static
 and dynamic shapes (S1, forward and forward + backward), first-call compile time, determinism
-of the backward, the backward given an expanded dout, and time vs seqlen for the plot (2049
-and 2056 steps too). The public calls are also timed queued back to back (*_b2b_ms, see
+of the backward, the backward given an expanded dout, S6's training step with autograd's
+device threads on and off (ours and the anchor's), and time vs seqlen for the plot (2049 and
+2056 steps too). The public calls are also timed queued back to back (*_b2b_ms, see
 time_rotating): a call's host time counts there only where it exceeds its GPU time. Writes
 <out>/h200.json and prints a table.
 """
@@ -486,8 +487,32 @@ def seqlen_sweep(shape: str = "S1") -> dict:
     return result
 
 
+def calling_thread(shape: str = "S6") -> dict:
+    """A training step's forward + backward through autograd, ours and the anchor's (through its
+    autograd.Function, where it builds), with autograd's device threads on and off
+    (torch.autograd.set_multithreading_enabled(False) runs the backward on the calling thread):
+    what a host-bound step pays for the engine's hand-off to its device thread."""
+    sets = input_sets(shape)
+    leaves = [leaf_args(x) for x in sets]
+    douts = [torch.randn_like(x["u"]) for x in sets]
+    steps = {"ours": selective_scan_fn}
+    module = guarded(anchor.build)
+    if module is not None and not isinstance(module, dict):
+        steps["anchor"] = anchor_step(module)
+    result = {}
+    for threads, where in ((True, "device_thread"), (False, "calling_thread")):
+        with torch.autograd.set_multithreading_enabled(threads):
+            for name, fn in steps.items():
+                for calls, suffix in ((1, "ms"), (BACK_TO_BACK, "b2b_ms")):
+                    result[f"{name}_fwd_bwd_{where}_{suffix}"] = time_rotating(
+                        lambda i, fn=fn: fwd_bwd_step(fn, leaves[i], douts[i]), len(sets), calls
+                    )
+    return result
+
+
 EXTRAS = {
     "modes_S6": bench_modes,
+    "calling_thread_S6": calling_thread,
     "compile_modes_S1": compile_modes,
     "determinism_S1": determinism,
     "cold_compile": cold_compile,
