@@ -21,7 +21,8 @@
 #
 # Environment: STAGES, TESTS (pytest targets of the tests stage), PYTEST_ARGS, BENCH_ARGS,
 # HOST_ARGS, TRAIN_ARGS, DECODE_ARGS, VARLEN_ARGS (extra arguments), CONFORMANCE_WORKERS (15).
-# Exits non-zero if a stage failed.
+# The *_ARGS are split at spaces, not parsed as shell words: quotes stay in the arguments, so an
+# empty value is written --extras= rather than --extras ''. Exits non-zero if a stage failed.
 set -uo pipefail
 OUT_DIR="${1:-${OUT:-gpu_results}}"
 mkdir -p "$OUT_DIR"
