@@ -72,6 +72,8 @@ def input_sets(shape: str, dtype=None, seqlen=None) -> list[dict]:
 
 
 BACK_TO_BACK = 10  # calls a timed repetition makes in the *_b2b_ms figures
+# The figures' suffixes by the calls a repetition makes: one call, and calls queued back to back.
+REPETITIONS = {"ms": 1, "b2b_ms": BACK_TO_BACK}
 
 
 def time_rotating(fn, count: int, calls: int = 1) -> float:
@@ -179,15 +181,17 @@ def anchor_figures(module, sets: list[dict], douts: list[torch.Tensor], leaves: 
         ),
     }
     step = anchor_step(module)
-    autograd = guarded(
-        lambda: time_rotating(lambda i: fwd_bwd_step(step, leaves[i], douts[i]), count)
-    )
+
+    def autograd_step(i):
+        fwd_bwd_step(step, leaves[i], douts[i])
+
+    autograd = guarded(time_rotating, autograd_step, count)
     figures["anchor_fwd_bwd_autograd_ms" if isinstance(autograd, float) else "anchor_autograd"] = (
         autograd
     )
     if isinstance(autograd, float):
         figures["anchor_fwd_bwd_autograd_b2b_ms"] = time_rotating(
-            lambda i: fwd_bwd_step(step, leaves[i], douts[i]), count, BACK_TO_BACK
+            autograd_step, count, BACK_TO_BACK
         )
     return figures
 
@@ -223,6 +227,13 @@ def bench_shape(shape: str, seqlen=None, anchor_module=None) -> dict:
         result["wall_s"] = spent
         return result
     leaves = [leaf_args(x) for x in sets]
+
+    def public(i):
+        _public_fwd(sets[i])
+
+    def public_step(i):
+        fwd_bwd_step(selective_scan_fn, leaves[i], douts[i])
+
     result.update(
         fwd_kernel_ms=_timed(
             spent, "fwd_kernels", lambda: guarded(lambda: kernel_ms(lambda: fwd_op(sets[0])))
@@ -230,16 +241,14 @@ def bench_shape(shape: str, seqlen=None, anchor_module=None) -> dict:
         bwd_kernel_ms=_timed(
             spent, "bwd_kernels", lambda: guarded(lambda: kernel_ms(lambda: bwd(0)))
         ),
-        fwd_public_ms=_timed(
-            spent, "public", lambda: time_rotating(lambda i: _public_fwd(sets[i]), len(sets))
+        fwd_public_ms=_timed(spent, "public", lambda: time_rotating(public, len(sets))),
+        fwd_bwd_ms=_timed(spent, "fwd_bwd", lambda: time_rotating(public_step, len(sets))),
+        fwd_public_b2b_ms=_timed(
+            spent, "public_b2b", lambda: time_rotating(public, len(sets), BACK_TO_BACK)
         ),
-        fwd_bwd_ms=_timed(spent, "fwd_bwd", lambda: time_rotating(
-            lambda i: fwd_bwd_step(selective_scan_fn, leaves[i], douts[i]), len(sets))),
-        fwd_public_b2b_ms=_timed(spent, "public_b2b", lambda: time_rotating(
-            lambda i: _public_fwd(sets[i]), len(sets), BACK_TO_BACK)),
-        fwd_bwd_b2b_ms=_timed(spent, "fwd_bwd_b2b", lambda: time_rotating(
-            lambda i: fwd_bwd_step(selective_scan_fn, leaves[i], douts[i]), len(sets),
-            BACK_TO_BACK)),
+        fwd_bwd_b2b_ms=_timed(
+            spent, "fwd_bwd_b2b", lambda: time_rotating(public_step, len(sets), BACK_TO_BACK)
+        ),
     )  # fmt: skip
     result.update(
         _timed(spent, "anchor", lambda: anchor_figures(anchor_module, sets, douts, leaves))
@@ -281,7 +290,7 @@ def compiled_figures(shape: str) -> dict:
     def fwd_bwd(i):
         fwd_bwd_step(compiled, leaves[i], douts[i])
 
-    for calls, suffix in ((1, "ms"), (BACK_TO_BACK, "b2b_ms")):
+    for suffix, calls in REPETITIONS.items():
         figures[f"fwd_compiled_{suffix}"] = guarded(time_rotating, fwd, len(sets), calls)
         figures[f"fwd_bwd_compiled_{suffix}"] = guarded(time_rotating, fwd_bwd, len(sets), calls)
     return figures
@@ -503,7 +512,7 @@ def calling_thread(shape: str = "S6") -> dict:
     for threads, where in ((True, "device_thread"), (False, "calling_thread")):
         with torch.autograd.set_multithreading_enabled(threads):
             for name, fn in steps.items():
-                for calls, suffix in ((1, "ms"), (BACK_TO_BACK, "b2b_ms")):
+                for suffix, calls in REPETITIONS.items():
                     result[f"{name}_fwd_bwd_{where}_{suffix}"] = time_rotating(
                         lambda i, fn=fn: fwd_bwd_step(fn, leaves[i], douts[i]), len(sets), calls
                     )
