@@ -5,6 +5,7 @@ run on CPU under the Triton interpreter in test_triton_interpreter.py)."""
 import pytest
 import torch
 from helpers import SCAN_INPUTS, float_inputs, make_inputs, oracle, rel_err
+from torch.overrides import TorchFunctionMode
 
 from selective_scan import selective_scan_fn, selective_scan_ref
 
@@ -177,21 +178,22 @@ def scan_fwd_bwd(inputs: dict, dout: torch.Tensor) -> list:
     return [*fwd, *OPS.scan_bwd_triton(dout, None, *[inputs[k] for k in SCAN_INPUTS], fwd[2], True)]
 
 
+class Intercepted(TorchFunctionMode):
+    """Calls inside are not plain eager (kernels.launch.is_plain_eager): Triton launches."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("seqlen", [296, 2048])  # 3 and 16 ranges: three launches each way
 def test_direct_launches_equal_tritons(seqlen, monkeypatch):
     """Eager calls relaunch the compiled kernels directly (kernels/launch.py): bit for bit what
     Triton's own launch gives; a misaligned view of the same layout gets a kernel compiled
     without the 16-byte alignment assumption."""
-    from torch.overrides import TorchFunctionMode
-
     from selective_scan.kernels import plan
     from selective_scan.kernels.bc_blocks import _bc_blocks_kernel
     from selective_scan.kernels.range_entries import _range_entries_kernel
     from selective_scan.kernels.tiles import DEFAULT_POLICY, use_policy
-
-    class Intercepted(TorchFunctionMode):  # calls are then not plain eager: Triton launches
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
 
     inputs = make_inputs(device="cuda", batch=2, dim=96, dstate=16, seqlen=seqlen,
                          dtype=torch.bfloat16, initial_state=True)  # fmt: skip
@@ -225,6 +227,47 @@ def test_direct_launches_equal_tritons(seqlen, monkeypatch):
     assert [len(lr._compiled) for lr in launchers if lr.kernel is _bc_blocks_kernel] == [1] * 4
     entries = [len(lr._compiled) for lr in launchers if lr.kernel is _range_entries_kernel]
     assert entries == [1] * 4
+    assert [len(p.sequences) for p in plans] == [1] * 4  # later calls replayed the first's
+
+
+@pytest.mark.parametrize("seqlen", [296, 2048])
+def test_replayed_launches_follow_each_call(seqlen, monkeypatch):
+    """A plan's later calls replay the launchers of an earlier call with the same option and
+    the same layouts of dout, dlast_state and checkpoints (launch.launch_sequence); calls that
+    differ in those run launches of their own. Each call, first or replayed, equals Triton's
+    own launch bit for bit: a dout broadcast in time (staged into fresh rows), one strided
+    in time, with and without dlast_state, with and without softplus."""
+    from selective_scan.kernels import plan
+    from selective_scan.kernels.tiles import DEFAULT_POLICY, use_policy
+
+    inputs = make_inputs(device="cuda", batch=2, dim=96, dstate=16, seqlen=seqlen,
+                         dtype=torch.bfloat16, initial_state=True)  # fmt: skip
+    u = inputs["u"]
+    strided = torch.randn(2, seqlen, 96, device="cuda", dtype=u.dtype).transpose(1, 2)
+    douts = [torch.randn_like(u), torch.randn_like(u[..., :1]).expand_as(u), strided]
+    dlast = torch.randn(2, 96, 16, device="cuda")
+    cases = [(dout, None, True) for dout in douts] + [(douts[0], dlast, True),
+                                                      (douts[0], None, False)]  # fmt: skip
+
+    def fwd_bwd(dout, dlast_state, softplus):
+        args = [inputs[k] for k in SCAN_INPUTS]
+        fwd = OPS.scan_fwd_triton(*args, softplus)
+        return [*fwd, *OPS.scan_bwd_triton(dout, dlast_state, *args, fwd[2], softplus)]
+
+    with Intercepted():
+        expected = [fwd_bwd(*case) for case in cases]
+    monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", "triton")
+    policy = DEFAULT_POLICY.replace()  # a policy of its own: plans of its own
+    with use_policy(policy):
+        for _ in range(3):  # the first round runs and keeps each sequence, the others replay
+            for case, want in zip(cases, expected, strict=True):
+                for a, b in zip(fwd_bwd(*case), want, strict=True):
+                    assert torch.equal(a, b)
+    (fwd_plan,) = [p for key, p in plan._PLANS.items() if key[0] is policy and not key[1]]
+    (bwd_plan,) = [p for key, p in plan._PLANS.items() if key[0] is policy and key[1]]
+    assert len(fwd_plan.sequences) == 2  # with and without softplus
+    # The broadcast dout is staged into contiguous rows: the contiguous dout's sequence.
+    assert len(bwd_plan.sequences) == 4
 
 
 @pytest.mark.parametrize("seqlen", [256, 2048])

@@ -187,9 +187,9 @@ def plan_of(direction: str, inputs, policy=DEFAULT_POLICY) -> plan.ScanPlan:
 
 
 def blocked(B, C, T=4, NP=8) -> tuple:
-    """B and C blocked as the launchers block them (bc_layout, then bc_blocks into carved
-    buffers), in float32, each variable one of real tensors shaped (batch, groups, tiles, NP,
-    T)."""
+    """B and C blocked as the launchers block them (bc_layout, bc_block_tensors on carved
+    buffers, launch_bc_blocks), in float32, each variable one of real tensors shaped (batch,
+    groups, tiles, NP, T)."""
     lay = layout.bc_layout(B, C, T, NP, torch.float32)
     if lay is None:
         return B, C
@@ -197,7 +197,9 @@ def blocked(B, C, T=4, NP=8) -> tuple:
     buffers = (
         common.fresh_buffers(B, lay.sizes) if fake else common.Carving(torch.float32, lay.sizes)(B)
     )
-    out = layout.bc_blocks(lay, B, C, buffers)
+    tensors = layout.bc_block_tensors(lay, B, C, buffers)
+    layout.launch_bc_blocks(lay, tensors)
+    out = tensors["B_ptr"], tensors["C_ptr"]
     shapes = iter(lay.shapes)
     shaped = []
     for t in out:  # constant B or C passes through; blocks are flat (kept so when traced)
@@ -209,7 +211,7 @@ def blocked(B, C, T=4, NP=8) -> tuple:
 
 
 def test_blocked_bc_layout():
-    """bc_blocks: (batch, groups, tiles, NP, T), zero-padded in time and states, for B and C
+    """B/C blocking: (batch, groups, tiles, NP, T), zero-padded in time and states, for B and C
     of other group counts and strides in one launch, or for either alone."""
     B = torch.randn(2, 3, 5, 21, dtype=torch.float64, device=DEVICE)
     B = B.transpose(2, 3).contiguous().transpose(2, 3)
@@ -253,7 +255,7 @@ def test_blocked_bc_outputs_distinct():
     outputs = []
     launches = offline.record_launches(lambda: outputs.extend(blocked(const, grouped, 16, 4)))
     ((_, grid, kw, _),) = launches
-    assert grid[2] == 1 and kw["B_ptr"] is kw["C_ptr"] is grouped  # one source, read as both
+    assert grid[2] == 1 and kw["Bsrc_ptr"] is kw["Csrc_ptr"] is grouped  # one source, read as both
     assert kw["Bb_ptr"].data_ptr() == outputs[1].data_ptr() and outputs[0] is const
     assert kw["Cb_ptr"].numel() == 0
 
@@ -729,8 +731,12 @@ def test_grad_sums(dtype, b_form, c_form, optional, blocks, seqlen, dstate, wide
         rows = rows.transpose(2, 3).reshape(batch, groups, NP, tiles * T)[:, :, :dstate, :seqlen]
         return rows.reshape(t.shape)
 
-    got = scan.grad_sums(p, None, named, args)
-    again = scan.grad_sums(p, None, named, args)
+    def grad_sums():
+        outs, tensors = scan.grad_sum_tensors(p, args, named)
+        scan.launch_grad_sums(p, None, tensors, args)
+        return outs
+
+    got, again = grad_sums(), grad_sums()
     for grad, repeat, part_, t in zip(got, again, parts, (A, B, C, D, delta_bias), strict=True):
         if t is None:
             assert grad is None

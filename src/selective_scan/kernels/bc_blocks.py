@@ -33,7 +33,7 @@ def _block_rows(
 
 @triton.jit
 def _bc_blocks_kernel(
-    B_ptr, C_ptr, Bb_ptr, Cb_ptr,
+    Bsrc_ptr, Csrc_ptr, Bb_ptr, Cb_ptr,
     seqlen, dstate, tiles, G, B_groups, s_Bb, s_Bg, s_Bn, s_Bt, C_groups, s_Cb, s_Cg, s_Cn, s_Ct,
     NP: tl.constexpr, T: tl.constexpr, TILES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
@@ -41,8 +41,8 @@ def _bc_blocks_kernel(
         gdc_launch_dependents()
     row = tl.program_id(0)
     if tl.program_id(2) == 0:
-        _block_rows(B_ptr, Bb_ptr, row, G, B_groups, s_Bb, s_Bg, s_Bn, s_Bt, seqlen, dstate,
+        _block_rows(Bsrc_ptr, Bb_ptr, row, G, B_groups, s_Bb, s_Bg, s_Bn, s_Bt, seqlen, dstate,
                     tiles, NP, T, TILES)  # fmt: skip
     else:
-        _block_rows(C_ptr, Cb_ptr, row, G, C_groups, s_Cb, s_Cg, s_Cn, s_Ct, seqlen, dstate,
+        _block_rows(Csrc_ptr, Cb_ptr, row, G, C_groups, s_Cb, s_Cg, s_Cn, s_Ct, seqlen, dstate,
                     tiles, NP, T, TILES)  # fmt: skip

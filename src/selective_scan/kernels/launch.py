@@ -21,7 +21,7 @@ import contextlib
 import contextvars
 import inspect
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import Tensor
@@ -129,7 +129,7 @@ class Launcher:
             self.kernel[self.grid](**self._arguments(tensors))
             return
         order = self._order or self._tensor_order(tensors)
-        device = driver.active.get_current_device()
+        device = _current_device()
         # Pointers as ints: Triton's launcher then skips a data_ptr() call and a CUDA driver
         # query per tensor (the plan's checks already put every tensor on this CUDA device).
         ptrs = [None if (t := tensors[name]) is None else t.data_ptr() for name in order]
@@ -140,9 +140,8 @@ class Launcher:
             if entry is not None:
                 compiled[key] = entry
             return
-        run, function, metadata, tail = entry
-        stream = driver.active.get_current_stream(device)
-        run(*self.grid, stream, function, metadata, None, None, None, *ptrs, *tail)
+        launch, function, head, tail = entry
+        launch(*self.grid, _current_stream(device), function, *head, *ptrs, *tail)
 
     def _arguments(self, tensors: dict) -> dict:
         return kernel_arguments(self.kernel, tensors) | self.scalars | self.options
@@ -162,14 +161,29 @@ class Launcher:
 
     def _launch_and_keep(self, device: int, tensors: dict) -> tuple | None:
         """Launch through Triton (compiling if needed) and return what a direct launch of the
-        same kernel needs; None when Triton did not return a compiled kernel."""
+        same kernel needs: (launch function, CUfunction, the arguments between the function and
+        the kernel's own, the kernel's arguments after its tensors); None when Triton did not
+        return a compiled kernel."""
         kwargs = self._arguments(tensors)
         kernel = self.kernel[self.grid](**kwargs)
         if kernel is None or not hasattr(kernel, "packed_metadata"):
             return None
         bound = tuple(self.kernel.device_caches[device][4](**kwargs)[0].values())
-        kernel.run  # noqa: B018 (loads the module on this device, which sets .function)
-        return kernel.run, kernel.function, kernel.packed_metadata, bound[len(self._order) :]
+        tail = bound[len(self._order) :]
+        run = kernel.run  # loads the module on this device, which sets .function
+        # No launch metadata, no hooks: (packed metadata, launch metadata, enter, exit hooks).
+        head = (kernel.packed_metadata, None, None, None)
+        if all(getattr(run, name, 1) == 0 for name in _SCRATCH_SIZES):
+            # Triton's launcher object (CudaLauncher.__call__) only allocates scratch the kernel
+            # asks for, then calls its compiled module's launch with the launch attributes:
+            # with none to allocate, that call is made here (a Python frame less a launch).
+            head = (run.launch_cooperative_grid, run.launch_pdl, None, None, *head)
+            run = run.launch
+        return run, kernel.function, head, tail
+
+
+# A compiled kernel's launcher attributes: the scratch sizes it allocates per launch.
+_SCRATCH_SIZES = ("global_scratch_size", "profile_scratch_size")
 
 
 # Launches recorded (``recording``): (list or None, whether to launch them too) while a block
@@ -228,7 +242,45 @@ def launch_kernel(launchers: dict | None, kernel, grid: tuple, tensors: dict, sc
     if launcher is None:
         launcher = Launcher(kernel, grid, scalars, options)
         launchers[key] = launcher
+    sequence = _SEQUENCE.get()
+    if sequence is not None:
+        sequence.append((launcher, tensors))
     launcher(tensors)
+
+
+# (launcher, tensors) of each direct launch while ``launch_sequence`` records a call's.
+_SEQUENCE: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "selective_scan_launch_sequence", default=None
+)
+
+
+def launch_sequence(sequences: dict | None, key, tensors: dict, launch: Callable[[], None]):
+    """Run ``launch()``, a call's launches and nothing else, each through ``launch_kernel``
+    and reading its tensors from the one dict ``tensors`` by parameter name. Or, where
+    ``sequences`` holds the launchers an earlier call ran with this ``key``, call those
+    launchers on ``tensors``: the same launches without the Python that picks each one's
+    arguments and launcher, host time that short calls wait on (design §11).
+
+    ``sequences``: a plan's, None where launches are not direct (traced calls). ``key``: what
+    the launches depend on that the plan leaves open. A call's sequence is kept only when all
+    its launches went directly, each on ``tensors``; nothing is replayed or kept while
+    launches are recorded or skipped (``recording``, ``skipping_launches``)."""
+    if sequences is None or _RECORD.get() is not None:
+        launch()
+        return
+    recorded = sequences.get(key)
+    if recorded is not None:
+        for launcher in recorded:
+            launcher(tensors)
+        return
+    token = _SEQUENCE.set([])
+    try:
+        launch()
+        ran = _SEQUENCE.get()
+    finally:
+        _SEQUENCE.reset(token)
+    if all(seen is tensors for _, seen in ran):
+        sequences[key] = [launcher for launcher, _ in ran]
 
 
 def _hooks_set() -> bool:
@@ -238,10 +290,22 @@ def _hooks_set() -> bool:
     return bool(getattr(enter, "calls", enter) or getattr(exit_, "calls", exit_))
 
 
+def _current_device() -> int:
+    """The current CUDA device, as Triton's launch asks it (torch.cuda.current_device without
+    its lazy initialization check: a direct launch follows a CUDA tensor's allocation)."""
+    return torch._C._cuda_getDevice()
+
+
+def _current_stream(device: int) -> int:
+    """The raw current stream of a CUDA device (Triton's driver reads the same)."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
 def _direct_launches_work() -> bool:
     return (
         driver is not None
         and os.environ.get("TRITON_INTERPRET") != "1"
         and hasattr(knobs, "runtime")
         and hasattr(knobs.runtime, "launch_enter_hook")
+        and hasattr(torch._C, "_cuda_getCurrentRawStream")
     )

@@ -14,8 +14,8 @@ start off multiples of T (views), and steps broadcast in time, are copied likewi
 (``restaged``); inputs strided in time are not (their loads are not vectors along time anyway).
 Traced calls with a symbolic length keep their rows and pick the kernel at run time instead.
 
-Variable B and C are copied once per call into blocks (``bc_blocks``): every (tile, state) row is
-T contiguous values the kernels load without masks or conversion.
+Variable B and C are copied once per call into blocks (``bc_block_tensors``, ``launch_bc_blocks``):
+every (tile, state) row is T contiguous values the kernels load without masks or conversion.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def bc_tiles(seqlen, T: int):
 
 
 class BlockLayout(NamedTuple):
-    """What blocking B and C (`bc_blocks`) derives from their shapes and strides alone, which
+    """What blocking B and C (`bc_block_tensors`) derives from their shapes and strides alone, which
     plans keep (computing it is a large share of a small eager call's host time)."""
 
     shapes: list  # of the blocks, one per variable source
@@ -170,27 +170,31 @@ def bc_layout(B: Tensor, C: Tensor, T: int, NP: int, dtype: torch.dtype) -> Bloc
     )
 
 
-def bc_blocks(
-    layout: BlockLayout | None, B: Tensor, C: Tensor, blocks: dict, launchers=None, pdl=False
-) -> tuple:
-    """(B, C) with each variable one, (batch, [groups,] dstate, seqlen) with any strides, written
-    into its buffer of ``blocks`` (flat, of ``layout.sizes``: "Bb" for the first variable one,
-    "Cb" for C when both are) as contiguous (batch, groups, bc_tiles(seqlen, T), NP, T) blocks,
-    zero-padded in time and states. ``layout``: ``bc_layout(B, C, T, NP, dtype)``. One launch
-    for both (kernels/bc_blocks.py), one pass over B and C. Constant B/C pass through."""
+def bc_block_tensors(layout: BlockLayout | None, B: Tensor, C: Tensor, blocks: dict) -> dict:
+    """What the scan kernels read as B and C ("B_ptr", "C_ptr") and the blocking launch's
+    tensors ("Bsrc_ptr", "Csrc_ptr": the variable sources, "Bb_ptr", "Cb_ptr": their blocks in
+    ``blocks``, flat, of ``layout.sizes``): "Bb" for the first variable one, "Cb" for C when
+    both are. Constant B/C are read as they are; so are both without a layout."""
     if layout is None:
-        return B, C
+        return {"B_ptr": B, "C_ptr": C}
     var = [t for t in (B, C) if t.dim() > 2]
-    tensors = dict(B_ptr=var[0], C_ptr=var[-1], Bb_ptr=blocks["Bb"], Cb_ptr=blocks["Cb"])
-    launch_kernel(launchers, _bc_blocks_kernel, layout.grid, tensors, layout.scalars,
-                  layout.options | {"PDL": pdl}, key=("bc", pdl))  # fmt: skip
     made = iter((blocks["Bb"], blocks["Cb"]))
-    return tuple(next(made) if t.dim() > 2 else t for t in (B, C))
+    read = [next(made) if t.dim() > 2 else t for t in (B, C)]
+    return dict(B_ptr=read[0], C_ptr=read[1], Bsrc_ptr=var[0], Csrc_ptr=var[-1],
+                Bb_ptr=blocks["Bb"], Cb_ptr=blocks["Cb"])  # fmt: skip
+
+
+def launch_bc_blocks(layout: BlockLayout | None, tensors: dict, launchers=None, pdl=False):
+    """Write the blocks of ``bc_block_tensors`` (in ``tensors``, with any others): one launch
+    for both sources (kernels/bc_blocks.py), one pass over them; none without a layout."""
+    if layout is not None:
+        launch_kernel(launchers, _bc_blocks_kernel, layout.grid, tensors, layout.scalars,
+                      layout.options | {"PDL": pdl}, key=("bc", pdl))  # fmt: skip
 
 
 def tile_bc_scalars(name: str, t: Tensor, dim, tiles) -> dict:
     """The tile kernels' arguments for B or C (name): pre-blocked variable B/C (strides implied
-    by the block layout, see bc_blocks), or constant (dim, dstate) with its strides."""
+    by the block layout, see bc_block_tensors), or constant (dim, dstate) with its strides."""
     if t.dim() == 2:
         groups, group, s_d, s_n = 1, 1, t.stride(0), t.stride(1)
     else:

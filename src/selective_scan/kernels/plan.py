@@ -25,12 +25,12 @@ from torch.fx.experimental.symbolic_shapes import guard_int
 from .._checks import check_scan_inputs, compute_dtype
 from ..scan_args import ScanArgs
 from .common import Carving, cdiv, fresh_buffers, tl_dtype
-from .launch import Launcher, is_plain, is_plain_eager, launch_kernel
+from .launch import Launcher, is_plain, is_plain_eager, launch_kernel, launch_sequence
 from .layout import (
     ALIGN_CHECKED,
     Rows,
     align_mode,
-    bc_blocks,
+    bc_block_tensors,
     bc_layout,
     bc_tiles,
     checked_launches,
@@ -174,6 +174,8 @@ class ScanPlan:
         # Direct launchers (launch.py) of eager calls, by the launch's own arguments; None for
         # plans built while tracing, which launch through wrap_triton.
         self.launchers: dict[tuple, Launcher] | None = None
+        # The launchers a direct call ran, in order, by what else its launches depended on.
+        self.sequences: dict[tuple, list[Launcher]] | None = None
         # Eager plans: an empty tensor passed for the buffers a launch does not use (no PRE
         # pass, one range): allocating one each call is measurable host time.
         self.unused: Tensor | None = None
@@ -196,19 +198,26 @@ class ScanPlan:
             return None
         return self.launchers
 
-    def tensors(self, args: ScanArgs, scratch: dict, launchers=None, pdl=False) -> dict:
-        """The kernels' input tensors by parameter name: variable B/C pre-blocked into the
-        call's ``scratch`` (with this call's launchers, letting the next launch start early with
-        pdl), u, delta and z in fresh rows where the plan says so, cu_seqlens dense."""
+    def tensors(self, args: ScanArgs, scratch: dict) -> dict:
+        """The kernels' input tensors by parameter name: u, delta and z in fresh rows where the
+        plan says so, cu_seqlens dense, and variable B/C as their blocks in the call's
+        ``scratch`` with the blocking launch's tensors (layout.bc_block_tensors)."""
         u, delta, A, B, C, D, z, bias, h0, cu = args.tensors
-        B, C = bc_blocks(self.bc_layout, B, C, scratch, launchers, pdl)
         u, delta, z = (
             staged(t, self.layout) if copy else t
             for t, copy in zip((u, delta, z), self.copied, strict=True)
         )
         if cu is not None:  # the kernels read it as a dense array
             cu = cu.contiguous()
-        return dict(zip(INPUT_NAMES, (u, delta, A, B, C, D, z, bias, h0, cu), strict=True))
+        tensors = dict(zip(INPUT_NAMES, (u, delta, A, B, C, D, z, bias, h0, cu), strict=True))
+        return tensors | bc_block_tensors(self.bc_layout, B, C, scratch)
+
+    def run(self, launchers, key: tuple, tensors: dict, launch: Callable[[], None]) -> None:
+        """``launch()``: a call's launches, each reading its tensors from ``tensors`` by name.
+        With direct launchers (``direct``), the plan keeps the sequence of launchers it ran,
+        by ``key`` (what the launches depend on besides the plan), and later calls run that
+        sequence on their own ``tensors`` (launch.launch_sequence)."""
+        launch_sequence(None if launchers is None else self.sequences, key, tensors, launch)
 
     def launches(self):
         """(LOCAL flag, grid, tile flags) of each scan launch: the ranges' local pass first when
@@ -285,7 +294,7 @@ def plan(policy: TilePolicy, backward: bool, args: ScanArgs) -> ScanPlan:
     found = _PLANS.get(key)
     if found is None:
         found = ScanPlan(policy, backward, args)
-        found.launchers = {}
+        found.launchers, found.sequences = {}, {}
         found.unused = tensors[0].new_empty((0,), dtype=found.cdt)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()

@@ -28,7 +28,7 @@ from ..scan_args import ScanArgs
 from .common import cdiv, size_hint, sym_min
 from .grad_sums import GRAD_SUM_ELEMENTS, _grad_sums_kernel
 from .launch import launch_kernel
-from .layout import bc_tiles, new_rows, restaged, staged, unpadded
+from .layout import bc_tiles, launch_bc_blocks, new_rows, restaged, staged, unpadded
 from .plan import ScanPlan, plan, sm_count
 from .range_entries import _range_entries_kernel
 from .scan_bwd import _scan_bwd_kernel
@@ -39,11 +39,12 @@ from .tiles import CKPT, LANES_STEPS, TilePolicy, current_policy
 __all__ = ["CKPT", "scan_bwd", "scan_bwd_autograd", "scan_fwd"]
 
 
-def _range_entries(p: ScanPlan, launchers, local: Tensor, dt_sums: Tensor, A: Tensor,
-                   init: Tensor | None, reverse: bool) -> None:  # fmt: skip
-    """Turn the local launch's per-range results ("hloc", "dtsum" of ScanPlan.scratch) into
-    the state entering each range (forward; init = initial_state) or the gradient leaving it
-    (backward, reverse; init = dlast_state), in place: kernels/range_entries.py."""
+def _range_entries(p: ScanPlan, launchers, tensors: dict, reverse: bool) -> None:
+    """Turn the local launch's per-range results ("hloc_ptr", "dtsum_ptr" of ``tensors``: of
+    ScanPlan.scratch) into the state entering each range (forward; "init_ptr" the
+    initial_state) or the gradient leaving it (backward, reverse; "init_ptr" the dlast_state),
+    in place: kernels/range_entries.py."""
+    A, init = tensors["A_ptr"], tensors["init_ptr"]
     BD = max(1, 32 // p.NP)  # a value of each range's results a lane
     # No program for a single range: traced calls keep this launch for a symbolic count (see
     # tiles.may_exceed_one), and programs with nothing to fold cost time.
@@ -54,7 +55,6 @@ def _range_entries(p: ScanPlan, launchers, local: Tensor, dt_sums: Tensor, A: Te
                    s_ib=s_ib, s_id=s_id, s_in=s_in)  # fmt: skip
     options = dict(DSTATE=p.dstate, NP=p.NP, BD=BD, RB=p.policy.range_block, REVERSE=reverse,
                    HAS_INIT=init is not None, ACC=p.flags["ACC"], num_warps=1)  # fmt: skip
-    tensors = dict(hloc_ptr=local, dtsum_ptr=dt_sums, A_ptr=A, init_ptr=init)
     # The key holds every argument: a backward plan (keyed by the scan's inputs) serves calls
     # with and without dlast_state, of any strides.
     key = (_range_entries_kernel, grid, *scalars.values(), *options.values())
@@ -98,32 +98,39 @@ def launch_fwd(args: ScanArgs, policy: TilePolicy) -> tuple[Tensor, Tensor, Tens
     ckpt = u.new_empty((p.batch, p.dim, checkpoint_slots(p.seqlen, CKPT), p.dstate), dtype=p.cdt)
     scratch = p.scratch(u, lambda: forward_scratch(p))
     launchers = p.direct(u)
-    # Eager launches only: Inductor's and AOTInductor's launchers set no launch attributes.
-    pdl = p.pdl and launchers is not None
-    tensors = p.tensors(args, scratch, launchers=launchers, pdl=pdl) | dict(
+    tensors = p.tensors(args, scratch) | dict(
         out_ptr=out, last_ptr=last, ckpt_ptr=ckpt, hloc_ptr=scratch["hloc"],
         dtsum_ptr=scratch["dtsum"], pre_ptr=scratch.get("pre", p.unused_buffer(u)),
+        init_ptr=args.initial_state,
     )  # fmt: skip
-    s_ob, s_od, _ = out.stride()
-    s_kb, s_kd, s_kc, _ = ckpt.stride()
-    s_lb, s_ld, _ = last.stride()
-    scalars = dict(s_ob=s_ob, s_od=s_od, s_kb=s_kb, s_kd=s_kd, s_kc=s_kc, s_lb=s_lb, s_ld=s_ld)
-    kernel, lanes = _scan_fwd_kernel, {}
-    if p.cfg.get("LANES"):
-        full = p.seqlen == LANES_STEPS[0] * LANES_STEPS[1]  # no masks (scan_fwd_lanes.py)
-        kernel, lanes = _scan_fwd_lanes_kernel, {"LANES": p.cfg["LANES"], "FULL": full}
-        if launchers is not None and "maxnreg" not in p.cfg:  # traced launches take no cap
-            lanes["maxnreg"] = policy.lanes_maxnreg
-    for local, grid, tiles in p.launches():
-        flags = dict(SOFTPLUS=args.delta_softplus, LOCAL=local, PRE=p.cfg["PRE"],
-                     EPI=p.cfg["EPI"], PDL=pdl, **tiles, **lanes)  # fmt: skip
-        if pdl:  # the first launch only: the one right after the blocking launch
-            flags["launch_pdl"] = True
-            pdl = False
-        p.launch(launchers, kernel, grid, tensors, scalars, flags, p.align_sizes)
-        if local:
-            _range_entries(p, launchers, scratch["hloc"], scratch["dtsum"], args.A,
-                           args.initial_state, reverse=False)  # fmt: skip
+
+    def launch() -> None:
+        # Eager launches only: Inductor's and AOTInductor's launchers set no launch attributes.
+        pdl = p.pdl and launchers is not None
+        launch_bc_blocks(p.bc_layout, tensors, launchers, pdl)
+        s_ob, s_od, _ = out.stride()
+        s_kb, s_kd, s_kc, _ = ckpt.stride()
+        s_lb, s_ld, _ = last.stride()
+        scalars = dict(s_ob=s_ob, s_od=s_od, s_kb=s_kb, s_kd=s_kd, s_kc=s_kc, s_lb=s_lb,
+                       s_ld=s_ld)  # fmt: skip
+        kernel, lanes = _scan_fwd_kernel, {}
+        if p.cfg.get("LANES"):
+            full = p.seqlen == LANES_STEPS[0] * LANES_STEPS[1]  # no masks (scan_fwd_lanes.py)
+            kernel, lanes = _scan_fwd_lanes_kernel, {"LANES": p.cfg["LANES"], "FULL": full}
+            if launchers is not None and "maxnreg" not in p.cfg:  # traced launches take no cap
+                lanes["maxnreg"] = policy.lanes_maxnreg
+        for local, grid, tiles in p.launches():
+            flags = dict(SOFTPLUS=args.delta_softplus, LOCAL=local, PRE=p.cfg["PRE"],
+                         EPI=p.cfg["EPI"], PDL=pdl, **tiles, **lanes)  # fmt: skip
+            if pdl:  # the first launch only: the one right after the blocking launch
+                flags["launch_pdl"] = True
+                pdl = False
+            p.launch(launchers, kernel, grid, tensors, scalars, flags, p.align_sizes)
+            if local:
+                _range_entries(p, launchers, tensors, reverse=False)
+
+    # Everything the launches depend on that the plan's key leaves out.
+    p.run(launchers, (args.delta_softplus,), tensors, launch)
     return unpadded(out, p.layout), last, ckpt
 
 
@@ -235,27 +242,33 @@ def grad_sums_launch(p: ScanPlan, B: Tensor, C: Tensor, D: Tensor | None,
     return grid, scalars, options
 
 
-# The backward kernel's partial sums, by grad_sums' parameter names.
+# The backward kernel's partial sums and the sums of each, by grad_sums' parameter names.
 PART_NAMES = ("dA_part", "dB_part", "dC_part", "dD_part", "dbias_part")
+SUM_NAMES = ("dA", "dB", "dC", "dD", "dbias")
 
 
-def grad_sums(p: ScanPlan, launchers, parts: dict, args: ScanArgs) -> tuple:
-    """(dA, dB, dC, dD, ddelta_bias) from the backward kernel's partial sums ``parts`` (by the
-    sums kernel's parameter names), in one launch of kernels/grad_sums.py: each a fresh
-    contiguous tensor of its input's shape and dtype, None for an absent D or delta_bias."""
-    A, B, C, D, bias = args.A, args.B, args.C, args.D, args.delta_bias
+def grad_sum_tensors(p: ScanPlan, args: ScanArgs, parts: dict) -> tuple[tuple, dict]:
+    """(dA, dB, dC, dD, ddelta_bias), each a fresh contiguous tensor of its input's shape and
+    dtype, None for an absent D or delta_bias; and what the grad_sums launch reads and writes,
+    by its parameter names: the backward kernel's partial sums ``parts`` and those gradients
+    (the plan's unused buffer for absent ones)."""
+    inputs = (args.A, args.B, args.C, args.D, args.delta_bias)
+    outs = tuple(None if t is None else t.new_empty(t.shape) for t in inputs)
+    unused = p.unused_buffer(args.A)
+    tensors = dict(parts)
+    for name, t in zip(SUM_NAMES, outs, strict=True):
+        tensors[name] = unused if t is None else t
+    return outs, tensors
+
+
+def launch_grad_sums(p: ScanPlan, launchers, tensors: dict, args: ScanArgs) -> None:
+    """The gradients of ``grad_sum_tensors`` from the backward kernel's partial sums, in one
+    launch of kernels/grad_sums.py."""
     if p.sums is None:  # traced calls build a fresh plan each time
-        p.sums = grad_sums_launch(p, B, C, D, bias)
+        p.sums = grad_sums_launch(p, args.B, args.C, args.D, args.delta_bias)
     grid, scalars, options = p.sums
-    outs = [None if t is None else t.new_empty(t.shape) for t in (A, B, C, D, bias)]
-    unused = p.unused_buffer(A)
-    tensors = dict(parts) | {
-        name: unused if t is None else t
-        for name, t in zip(("dA", "dB", "dC", "dD", "dbias"), outs, strict=True)
-    }
     launch_kernel(launchers, _grad_sums_kernel, grid, tensors, scalars, options,
                   key=("grad_sums",))  # fmt: skip
-    return tuple(outs)
 
 
 def scan_bwd(
@@ -312,32 +325,42 @@ def launch_bwd(dout: Tensor, dlast_state: Tensor | None, args: ScanArgs, checkpo
     parts = {name: scratch.get(name, unused) for name in PART_NAMES}
     has_h0 = args.initial_state is not None
     dh0 = u.new_empty((p.num_states, dim, dstate), dtype=cdt) if has_h0 else unused
+    (dA, dB, dC, dD, dbias), sum_tensors = grad_sum_tensors(p, args, parts)
     launchers = p.direct(u)
-    tensors = p.tensors(args, scratch, launchers=launchers) | dict(
+    tensors = p.tensors(args, scratch) | sum_tensors | dict(
         dout_ptr=dout, dlast_ptr=dlast_state, ckpt_ptr=checkpoints,
         scratch_ptr=scratch["scratch"], du_ptr=du, ddelta_ptr=ddelta, dz_ptr=dz,
         dA_ptr=parts["dA_part"], dB_ptr=parts["dB_part"], dC_ptr=parts["dC_part"],
         dD_ptr=parts["dD_part"], dbias_ptr=parts["dbias_part"], dh0_ptr=dh0,
-        dhloc_ptr=scratch["hloc"], dtsum_ptr=scratch["dtsum"],
+        dhloc_ptr=scratch["hloc"], dtsum_ptr=scratch["dtsum"], hloc_ptr=scratch["hloc"],
+        init_ptr=dlast_state,
     )  # fmt: skip
-    s_ob, s_od, s_ot = dout.stride()
-    s_lb, s_ld, s_ln = (0, 0, 0) if dlast_state is None else dlast_state.stride()
-    s_kb, s_kd, s_kc, _ = checkpoints.stride()
-    scalars = dict(n_blocks=p.n_blocks, rows=p.rows, s_ob=s_ob, s_od=s_od, s_ot=s_ot, s_lb=s_lb,
-                   s_ld=s_ld, s_ln=s_ln, s_kb=s_kb, s_kd=s_kd, s_kc=s_kc)  # fmt: skip
-    align, align_sizes = backward_align(p, dout)
-    cap = one_wave_cap(p, u, launchers)
-    for local, grid, tiles in p.launches():
-        # The cap is the full pass's (its grid, its kernel); the local pass is a smaller kernel.
-        flags = dict(SOFTPLUS=args.delta_softplus, HAS_DLAST=dlast_state is not None,
-                     LOCAL=local, KEEP_STEPS=p.cfg["KEEP_STEPS"], ALIGN=align, **tiles,
-                     **({} if local else cap))  # fmt: skip
-        p.launch(launchers, _scan_bwd_kernel, grid, tensors, scalars, flags, align_sizes)
-        if local:
-            _range_entries(p, launchers, scratch["hloc"], scratch["dtsum"], args.A, dlast_state,
-                           reverse=True)  # fmt: skip
 
-    dA, dB, dC, dD, dbias = grad_sums(p, launchers, parts, args)
+    def launch() -> None:
+        launch_bc_blocks(p.bc_layout, tensors, launchers)
+        s_ob, s_od, s_ot = dout.stride()
+        s_lb, s_ld, s_ln = (0, 0, 0) if dlast_state is None else dlast_state.stride()
+        s_kb, s_kd, s_kc, _ = checkpoints.stride()
+        scalars = dict(n_blocks=p.n_blocks, rows=p.rows, s_ob=s_ob, s_od=s_od, s_ot=s_ot,
+                       s_lb=s_lb, s_ld=s_ld, s_ln=s_ln, s_kb=s_kb, s_kd=s_kd,
+                       s_kc=s_kc)  # fmt: skip
+        align, align_sizes = backward_align(p, dout)
+        cap = one_wave_cap(p, u, launchers)
+        for local, grid, tiles in p.launches():
+            # The cap is the full pass's (its grid, its kernel); the local pass is smaller.
+            flags = dict(SOFTPLUS=args.delta_softplus, HAS_DLAST=dlast_state is not None,
+                         LOCAL=local, KEEP_STEPS=p.cfg["KEEP_STEPS"], ALIGN=align, **tiles,
+                         **({} if local else cap))  # fmt: skip
+            p.launch(launchers, _scan_bwd_kernel, grid, tensors, scalars, flags, align_sizes)
+            if local:
+                _range_entries(p, launchers, tensors, reverse=True)
+        launch_grad_sums(p, launchers, tensors, args)
+
+    # Everything the launches depend on that the plan's key leaves out: the option, the layouts
+    # of dout (staged or not), dlast_state and the checkpoints.
+    layouts = [None if t is None else (t.stride(), t.dtype)
+               for t in (dout, dlast_state, checkpoints)]  # fmt: skip
+    p.run(launchers, (args.delta_softplus, *layouts), tensors, launch)
 
     def empty():  # a placeholder per absent input (the op's outputs must not alias each other)
         return None if for_autograd else u.new_empty((0,))

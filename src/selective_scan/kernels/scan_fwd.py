@@ -9,7 +9,7 @@ out = (y + D u) * silu(z) is stored. The state entering every CKPT-th step is st
 checkpoint for the backward; the final state is stored as last_state.
 
 Variable B and C arrive pre-blocked as float32 (batch, groups, seqlen / T, NP, T) tiles (see
-`bc_blocks`): one aligned, unmasked vector load per (state, tile), no conversion in the loop.
+`bc_block_tensors`): one aligned, unmasked vector load per (state, tile), no conversion in the loop.
 
 Few (batch, channel) pairs leave most of the GPU idle, so a sequence can also be cut into
 ranges of RL steps processed by separate programs (program axis 2), in three launches:
@@ -120,8 +120,8 @@ def _scan_fwd_kernel(
         elif HAS_H0:
             h0 = h0_ptr + seq.to(tl.int64) * s_hb + ch64 * s_hd + first_n * s_hn
             h = load_states(h0, s_hn, n_left, NI, row_ok, ACC)
-    # B/C: constant (dim, dstate) with strides (s_Bd, s_Bn), or blocks (see bc_blocks) whose
-    # offsets are multiples of T by construction, which lets Triton emit aligned vector loads.
+    # B/C: constant (dim, dstate) with strides (s_Bd, s_Bn), or blocks (layout.bc_block_tensors)
+    # whose offsets are multiples of T by construction, which lets Triton emit aligned vector loads.
     # B/C tiles are loaded once per program ([1, NS, T]), not once per channel: with the loop
     # software-pipelined, they pass through shared memory and every channel reads them there.
     ch_in = tl.minimum(blk_first, dim - 1)
