@@ -287,8 +287,10 @@ def profile(args) -> dict:
     calls = {
         "scan_fwd_triton op": fwd_op,
         "scan_bwd_triton op": lambda: ops.scan_bwd_triton(dout, None, *inputs, ckpt, True),
-        # What an eager autograd backward calls (ops._make_backward): no dispatcher.
+        # The op's implementation with its checks, and what an eager autograd backward calls
+        # instead (ops.run_backward): no dispatcher, no checks that autograd has made.
         "scan_bwd implementation": lambda: scan.scan_bwd(dout, None, *inputs, ckpt, True),
+        "scan_bwd_autograd": lambda: scan.scan_bwd_autograd(dout, None, *inputs, ckpt, True),
         # Outside the op, wrap_triton takes its tracing path: not what users run, kept to show it.
         "scan_fwd launcher outside the op": lambda: scan.scan_fwd(*inputs, True),
         "selective_scan_fn (no grad)": lambda: selective_scan_fn(**public, delta_softplus=True),

@@ -3,7 +3,7 @@ a seeded random sample of the option space mamba_ssm's users reach, at every len
 4096 steps, dims 4-1536 and 1-256 states, plus mamba_inner_fn's and selective_state_update's
 grids. Needs CUDA. Meant for one device command on a 16-core host with one GPU:
 
-    python3 -m pytest -n 15 tests/test_gpu_conformance.py
+    python3 -m pytest -n 8 tests/test_gpu_conformance.py
 
 (scripts/gpu_run.sh runs it so, as its stage "conformance", and points CONFORMANCE_OUT at its
 results folder.)
@@ -35,10 +35,11 @@ SEED = int(os.environ.get("CONFORMANCE_SEED", "0"))
 # replaces needed 5,045 (24,000 s): 80 option combinations each at 25 sizes of its own. The
 # regression adds 110 s, mamba_inner_fn's 10 families 250 s (was 1,900), the 60 decode-step
 # families 90 specializations (was 286), the checks 0.05-1 s a configuration (inputs drawn on
-# the CPU, the chunked float64 oracle): about 3,300 worker seconds, 4 minutes on 15 workers,
-# 5 with the start and the last tests' tail; 6.5 if compiles run 1.5 times slower with 15 at
-# once. Estimated from the counts and the README's compile times, not yet timed on the H200:
-# the run's seconds (all, and each family's first configuration, which compiles) are in
+# the CPU, the chunked float64 oracle): about 3,300 worker seconds by that estimate. Measured
+# (bench/results/conformance_h200.json): the scans 2,831 worker seconds on the H200 (302 s of
+# wall time on 15 workers); on an H100, each configuration run twice, 1,536 with 67 of them cut
+# short: 15 workers holding two calls' outputs ran its 80 GB out of memory, hence 8. The
+# run's seconds (all, and each family's first configuration, which compiles) are in
 # CONFORMANCE_OUT. CONFORMANCE_FAMILY=32 gives 2,000 configurations in 70 families (2,150 s
 # of compiling by the same count; more shapes repeated with a new seed).
 FAMILIES = cf.scan_families(
