@@ -7,8 +7,10 @@ training step's forward and backward through autograd.
 
 With ``--profile train`` it also splits the step: the backward node's own time, timed and
 profiled inside the node (it runs on autograd's device thread, which a profiler started on this
-thread may not see), the step with autograd's device threads off (the backward on this thread),
-and the engine's floor (a step of a no-op autograd.Function with as many inputs).
+thread may not see), the step with autograd's device threads off (the backward on this thread,
+its node timed inside too), the engine's floor (a step of a no-op autograd.Function with as
+many inputs), and a probe's step on each thread (a backward of fixed Python work and nine
+allocations, timed inside: whether either runs slower on the device thread).
 On a GPU it also lists what CUDA's sync debug mode reports in a step, and ``--trace`` writes a
 Chrome trace of five steps.
 
@@ -40,6 +42,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -133,6 +136,43 @@ class _NoOp(torch.autograd.Function):
         return (dout, *([None] * ctx.count))
 
 
+class _Probe(torch.autograd.Function):
+    """A backward of fixed work, timed inside: 3,000 iterations of Python arithmetic, then nine
+    allocations like dout (``seconds``: (Python, allocations) a call). Whether Python and the
+    allocator run slower on autograd's device thread than on the calling thread, and what the
+    handoff costs a node that does some work."""
+
+    seconds: ClassVar[list] = []
+
+    @staticmethod
+    def forward(ctx, u):
+        return u * 1
+
+    @staticmethod
+    def backward(ctx, dout):
+        start = time.perf_counter()
+        sum(i * 3 % 7 for i in range(3000))
+        middle = time.perf_counter()
+        for _ in range(9):
+            torch.empty_like(dout)
+        _Probe.seconds.append((middle - start, time.perf_counter() - middle))
+        return dout
+
+
+def probe_by_thread(u: torch.Tensor, dout: torch.Tensor, calls: int) -> dict:
+    """_Probe's step and its inside times (us, medians) on each thread."""
+    figures = {}
+    for name, threads in (("device thread", True), ("calling thread", False)):
+        _Probe.seconds.clear()
+        with torch.autograd.set_multithreading_enabled(threads):
+            step = host_us(lambda: _Probe.apply(u).backward(dout), calls)
+        columns = zip(*_Probe.seconds, strict=True)
+        python, allocations = (sorted(column)[len(column) // 2] for column in columns)
+        figures[name] = {"step": round(step, 1), "python": round(python * 1e6, 1),
+                         "9 allocations": round(allocations * 1e6, 1)}  # fmt: skip
+    return figures
+
+
 def train_split(leaves: dict, dout: torch.Tensor, calls: int, top: int) -> dict:
     """Print where a training step's host time goes (see the module's docstring); returns the
     figures, in microseconds per step."""
@@ -145,13 +185,16 @@ def train_split(leaves: dict, dout: torch.Tensor, calls: int, top: int) -> dict:
     with node_timed(function, None) as seconds:
         step = host_us(train, calls)
         node = sorted(seconds)[len(seconds) // 2] * 1e6
-    with torch.autograd.set_multithreading_enabled(False):
+    with torch.autograd.set_multithreading_enabled(False), node_timed(function, None) as here:
         on_this_thread = host_us(train, calls)
+        node_here = sorted(here)[len(here) // 2] * 1e6
     floor = host_us(lambda: _NoOp.apply(*tensors).backward(dout), calls)
+    probe = probe_by_thread(leaves["u"], dout, calls)
     print(
         f"train step {step:.1f} us host; backward node (median, timed inside) {node:.1f} us; "
-        f"step with the backward on this thread {on_this_thread:.1f} us; no-op autograd "
-        f"step (engine floor) {floor:.1f} us"
+        f"step with the backward on this thread {on_this_thread:.1f} us, its node "
+        f"{node_here:.1f} us; no-op autograd step (engine floor) {floor:.1f} us; "
+        f"probe (step, Python, allocations) by thread {probe}"
     )
     profiler = cProfile.Profile()
     with node_timed(function, profiler):
@@ -164,7 +207,9 @@ def train_split(leaves: dict, dout: torch.Tensor, calls: int, top: int) -> dict:
         "train step": round(step, 1),
         "backward node, timed inside": round(node, 1),
         "train step, backward on this thread": round(on_this_thread, 1),
+        "backward node on this thread, timed inside": round(node_here, 1),
         "no-op autograd step (engine floor)": round(floor, 1),
+        "probe by thread (_Probe)": probe,
     }
 
 
