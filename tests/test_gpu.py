@@ -270,6 +270,43 @@ def test_replayed_launches_follow_each_call(seqlen, monkeypatch):
     assert len(bwd_plan.sequences) == 4
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("seqlen", [296, 2048])
+def test_calls_run_on_their_tensors_device(seqlen):
+    """With cuda:0 current, a forward and backward through autograd (first call and replay) and a
+    decode step on cuda:1 tensors run on cuda:1 (launch.on_device_of): equal bit for bit to the
+    same calls made with cuda:1 current. Triton launches on the current device; without the
+    guard the kernels ran on the other GPU's pointers."""
+    from selective_scan import selective_state_update
+    from selective_scan.kernels.tiles import DEFAULT_POLICY, use_policy
+
+    inputs = make_inputs(device="cuda:1", batch=2, dim=96, dstate=16, seqlen=seqlen,
+                         dtype=torch.bfloat16)  # fmt: skip
+    dout = torch.randn_like(inputs["u"])
+    gen = torch.Generator(device="cuda:1").manual_seed(0)
+    state = torch.randn(2, 96, 16, device="cuda:1", generator=gen)
+    step = {k: torch.randn(2, *shape, device="cuda:1", generator=gen)
+            for k, shape in (("x", (96,)), ("dt", (96,)), ("B", (16,)), ("C", (16,)))}  # fmt: skip
+
+    def calls():
+        leaves = {k: v.detach().clone().requires_grad_() if k in float_inputs(inputs) else v
+                  for k, v in inputs.items()}  # fmt: skip
+        out = selective_scan_fn(**leaves, delta_softplus=True)
+        out.backward(dout)
+        grads = [leaves[k].grad for k in float_inputs(inputs)]
+        new_state = state.clone()
+        y = selective_state_update(new_state, **step, A=inputs["A"], dt_softplus=True)
+        return [out, *grads, new_state, y]
+
+    # Plans of their own for the expected calls: the calls below record theirs under the guard.
+    with torch.cuda.device(1), use_policy(DEFAULT_POLICY.replace()):
+        expected = calls()
+    torch.cuda.set_device(0)
+    for _ in range(2):  # the first call records its launches, the second replays them
+        for a, b in zip(calls(), expected, strict=True):
+            assert a.device == torch.device("cuda:1") and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("seqlen", [256, 2048])
 def test_direct_training_step_does_not_synchronize(seqlen):
     """An eager forward and backward through autograd (direct launches, the backward on

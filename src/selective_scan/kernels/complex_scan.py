@@ -32,7 +32,7 @@ from torch import Tensor
 from .._checks import checkpoint_slots, compute_dtype, state_dtype
 from ..scan_args import ScanArgs
 from .common import cdiv, softplus_and_grad, tl_dtype
-from .launch import launch_kernel
+from .launch import launch_kernel, on_device_of
 
 # Elements of a program's [BD, NP] state tile at most.
 TILE = 1024
@@ -364,7 +364,8 @@ def _launch(kernel, grid: tuple, tensors: dict, scalars: dict, options: dict) ->
         _LAUNCHERS.clear()
     dtypes = [t.dtype for t in tensors.values()]
     key = (kernel, grid, *dtypes, *scalars.values(), *options.values())
-    launch_kernel(_LAUNCHERS, kernel, grid, tensors, scalars, options, key=key)
+    with on_device_of(tensors["u_ptr"]):
+        launch_kernel(_LAUNCHERS, kernel, grid, tensors, scalars, options, key=key)
 
 
 def scan_fwd(args: ScanArgs, chunk: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -290,6 +290,19 @@ def _hooks_set() -> bool:
     return bool(getattr(enter, "calls", enter) or getattr(exit_, "calls", exit_))
 
 
+def on_device_of(t) -> contextlib.AbstractContextManager:
+    """``torch.cuda.device`` of a real CUDA tensor t where it is not the current device, else
+    nothing. Triton launches on the current device, and so does a direct launch; a model spread
+    over GPUs in one process (a layer on cuda:1 while cuda:0 is current) would otherwise run its
+    kernels on the wrong GPU, as mamba_ssm's CUDA extension does not (a device guard a call).
+    Traced calls (fake tensors) get nothing: the compiled code sets its own devices."""
+    if type(t) in PLAIN_TYPES and t.is_cuda:
+        index = t.get_device()
+        if index != _current_device():
+            return torch.cuda.device(index)
+    return contextlib.nullcontext()
+
+
 def _current_device() -> int:
     """The current CUDA device, as Triton's launch asks it (torch.cuda.current_device without
     its lazy initialization check: a direct launch follows a CUDA tensor's allocation)."""

@@ -25,7 +25,14 @@ from torch.fx.experimental.symbolic_shapes import guard_int
 from .._checks import check_scan_inputs, compute_dtype
 from ..scan_args import ScanArgs
 from .common import Carving, cdiv, fresh_buffers, tl_dtype
-from .launch import Launcher, is_plain, is_plain_eager, launch_kernel, launch_sequence
+from .launch import (
+    Launcher,
+    is_plain,
+    is_plain_eager,
+    launch_kernel,
+    launch_sequence,
+    on_device_of,
+)
 from .layout import (
     ALIGN_CHECKED,
     Rows,
@@ -213,11 +220,14 @@ class ScanPlan:
         return tensors | bc_block_tensors(self.bc_layout, B, C, scratch)
 
     def run(self, launchers, key: tuple, tensors: dict, launch: Callable[[], None]) -> None:
-        """``launch()``: a call's launches, each reading its tensors from ``tensors`` by name.
-        With direct launchers (``direct``), the plan keeps the sequence of launchers it ran,
-        by ``key`` (what the launches depend on besides the plan), and later calls run that
-        sequence on their own ``tensors`` (launch.launch_sequence)."""
-        launch_sequence(None if launchers is None else self.sequences, key, tensors, launch)
+        """``launch()``: a call's launches, each reading its tensors from ``tensors`` by name,
+        on the inputs' device (launch.on_device_of). With direct launchers (``direct``), the
+        plan keeps the sequence of launchers it ran, by ``key`` (what the launches depend on
+        besides the plan), and later calls run that sequence on their own ``tensors``
+        (launch.launch_sequence)."""
+        sequences = None if launchers is None else self.sequences
+        with on_device_of(tensors["u_ptr"]):
+            launch_sequence(sequences, key, tensors, launch)
 
     def launches(self):
         """(LOCAL flag, grid, tile flags) of each scan launch: the ranges' local pass first when

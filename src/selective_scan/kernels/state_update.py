@@ -23,7 +23,7 @@ from torch.library import wrap_triton
 
 from .._state_update_checks import check_state_update_inputs, heads_strides, out_shape
 from .common import LOG2E, block_and_sequence, cdiv, fast_math, sigmoid, softplus, tl_dtype
-from .launch import Launcher, runtime_params
+from .launch import Launcher, on_device_of, runtime_params
 
 
 @triton.jit
@@ -161,8 +161,9 @@ def state_update(
     )
     out = _new_out(state, x)
     tensors = (state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices, out)
-    wrap_triton(_state_update_kernel)[grid](**dict(zip(_TENSORS, tensors, strict=True)),
-                                            **scalars, **options)  # fmt: skip
+    with on_device_of(x):
+        wrap_triton(_state_update_kernel)[grid](**dict(zip(_TENSORS, tensors, strict=True)),
+                                                **scalars, **options)  # fmt: skip
     return out
 
 
@@ -201,5 +202,6 @@ def state_update_eager(*args) -> Tensor:
             _PLANS.clear()
         _PLANS[key] = launcher
     out = _new_out(tensors[0], tensors[1])
-    launcher(dict(zip(_TENSORS, (*tensors, out), strict=True)))
+    with on_device_of(out):
+        launcher(dict(zip(_TENSORS, (*tensors, out), strict=True)))
     return out
