@@ -20,7 +20,9 @@ Host time = wall time of back-to-back calls without synchronization, per call, a
 With ``--device cpu`` (environment TRITON_INTERPRET=1 SELECTIVE_SCAN_BACKEND=triton) the same
 calls run the Triton launchers' host work on CPU tensors, their kernels not launched
 (kernels.launch.skipping_launches): plans, checks, allocations and autograd, without the CUDA
-allocator, the launches or autograd's device thread.
+allocator, the launches or autograd's device thread. CPU tensors get no direct launches, so no
+replayed launch sequences either (kernels.launch.launch_sequence): every call derives its
+launches' arguments, as a GPU call does only the first time with a layout.
 
 Each call's allocations and copies are counted too (a gradient that autograd copies into .grad
 instead of taking it shows as a copy), and a small Mamba layer's training step through
