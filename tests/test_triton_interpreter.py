@@ -921,3 +921,39 @@ def test_traced_calls_allocate_each_buffer():
     kw = next(kw for kernel, _, kw, _ in launches if kernel is _scan_bwd_kernel)
     names = ("dA_ptr", "dB_ptr", "dC_ptr", "dD_ptr", "dbias_ptr", "scratch_ptr", "B_ptr")
     assert all(kw[k]._base is None for k in names), [k for k in names if kw[k]._base is not None]
+
+
+def test_replayed_launch_sequences(monkeypatch):
+    """A plan's later calls replay the launchers of an earlier call with the same option and
+    layouts of dout, dlast_state and checkpoints (launch.launch_sequence), and equal calls that
+    derive their launches afresh (while launches are recorded, nothing is replayed), for each
+    change of that key: dout contiguous, broadcast in time (staged) or strided in time, with and
+    without dlast_state, with and without softplus. On a GPU only direct launches replay; here
+    the plans hand out their launchers for CPU tensors too (ScanPlan.direct), which then launch
+    through Triton's interpreter. The first call of a layout records; the next ones replay."""
+    monkeypatch.setattr(plan.ScanPlan, "direct", lambda self, u: self.launchers)
+    x = make_inputs(device=DEVICE, batch=2, dim=8, dstate=4, seqlen=24, initial_state=True)
+    args = [x[k] for k in SCAN_INPUTS]
+    u = x["u"]
+    douts = [torch.randn_like(u), torch.randn_like(u[..., :1]).expand_as(u),
+             torch.randn(2, 24, 8, dtype=u.dtype, device=DEVICE).transpose(1, 2)]  # fmt: skip
+    dlast = torch.randn(2, 8, 4, device=DEVICE)
+    cases = [(dout, None, True) for dout in douts] + [(douts[0], dlast, True),
+                                                      (douts[0], None, False)]  # fmt: skip
+
+    def fwd_bwd(dout, dlast_state, softplus):
+        fwd = scan.scan_fwd(*args, softplus)
+        return [*fwd, *scan.scan_bwd(dout, dlast_state, *args, fwd[2], softplus)]
+
+    policy = DEFAULT_POLICY.replace(sm_count=132)  # plans of its own; no device query
+    with use_policy(policy):
+        with recording(launch=True):  # launched, never replayed
+            expected = [fwd_bwd(*case) for case in cases]
+        for _ in range(2):
+            for case, want in zip(cases, expected, strict=True):
+                for a, b in zip(fwd_bwd(*case), want, strict=True):
+                    assert torch.equal(a, b)
+    (fwd_plan,) = [p for key, p in plan._PLANS.items() if key[0] is policy and not key[1]]
+    (bwd_plan,) = [p for key, p in plan._PLANS.items() if key[0] is policy and key[1]]
+    assert len(fwd_plan.sequences) == 2  # with and without softplus
+    assert len(bwd_plan.sequences) == 4  # the staged broadcast dout has the contiguous one's
