@@ -169,6 +169,36 @@ def run_scan(fn, inputs: dict, delta_softplus: bool, weights=None, return_last_s
     return out, last, dict(zip(names, grads, strict=True))
 
 
+def replay_cases(u: torch.Tensor, dstate: int) -> list[tuple]:
+    """(dout, dlast_state, softplus) for each change of a scan plan's replay key
+    (kernels.launch.launch_sequence): dout contiguous, broadcast in time (staged into contiguous
+    rows: the contiguous dout's key) or strided in time; with dlast_state; without softplus."""
+    batch, dim, seqlen = u.shape
+    strided = torch.randn(batch, seqlen, dim, dtype=u.dtype, device=u.device).transpose(1, 2)
+    douts = [torch.randn_like(u), torch.randn_like(u[..., :1]).expand_as(u), strided]
+    dlast = torch.randn(batch, dim, dstate, device=u.device)
+    return [(dout, None, True) for dout in douts] + [(douts[0], dlast, True),
+                                                     (douts[0], None, False)]  # fmt: skip
+
+
+def check_replays(policy, fwd_bwd, cases: list, expected: list, rounds: int) -> None:
+    """Under ``policy`` (plans of its own), ``rounds`` rounds of fwd_bwd(*case) over
+    ``replay_cases`` equal ``expected`` bit for bit, and the policy's plans kept a launch
+    sequence for each key: two forward (softplus on and off), four backward."""
+    from selective_scan.kernels import plan
+    from selective_scan.kernels.tiles import use_policy
+
+    with use_policy(policy):
+        for _ in range(rounds):
+            for case, want in zip(cases, expected, strict=True):
+                for a, b in zip(fwd_bwd(*case), want, strict=True):
+                    assert torch.equal(a, b)
+    (fwd_plan,) = [p for key, p in plan._PLANS.items() if key[0] is policy and not key[1]]
+    (bwd_plan,) = [p for key, p in plan._PLANS.items() if key[0] is policy and key[1]]
+    assert len(fwd_plan.sequences) == 2
+    assert len(bwd_plan.sequences) == 4
+
+
 def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
     """Same shape, every element finite, relative error (over all elements) within tol."""
     assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"

@@ -4,7 +4,15 @@ run on CPU under the Triton interpreter in test_triton_interpreter.py)."""
 
 import pytest
 import torch
-from helpers import SCAN_INPUTS, float_inputs, make_inputs, oracle, rel_err
+from helpers import (
+    SCAN_INPUTS,
+    check_replays,
+    float_inputs,
+    make_inputs,
+    oracle,
+    rel_err,
+    replay_cases,
+)
 from torch.overrides import TorchFunctionMode
 
 from selective_scan import selective_scan_fn, selective_scan_ref
@@ -237,17 +245,11 @@ def test_replayed_launches_follow_each_call(seqlen, monkeypatch):
     differ in those run launches of their own. Each call, first or replayed, equals Triton's
     own launch bit for bit: a dout broadcast in time (staged into fresh rows), one strided
     in time, with and without dlast_state, with and without softplus."""
-    from selective_scan.kernels import plan
-    from selective_scan.kernels.tiles import DEFAULT_POLICY, use_policy
+    from selective_scan.kernels.tiles import DEFAULT_POLICY
 
     inputs = make_inputs(device="cuda", batch=2, dim=96, dstate=16, seqlen=seqlen,
                          dtype=torch.bfloat16, initial_state=True)  # fmt: skip
-    u = inputs["u"]
-    strided = torch.randn(2, seqlen, 96, device="cuda", dtype=u.dtype).transpose(1, 2)
-    douts = [torch.randn_like(u), torch.randn_like(u[..., :1]).expand_as(u), strided]
-    dlast = torch.randn(2, 96, 16, device="cuda")
-    cases = [(dout, None, True) for dout in douts] + [(douts[0], dlast, True),
-                                                      (douts[0], None, False)]  # fmt: skip
+    cases = replay_cases(inputs["u"], 16)
 
     def fwd_bwd(dout, dlast_state, softplus):
         args = [inputs[k] for k in SCAN_INPUTS]
@@ -257,17 +259,8 @@ def test_replayed_launches_follow_each_call(seqlen, monkeypatch):
     with Intercepted():
         expected = [fwd_bwd(*case) for case in cases]
     monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", "triton")
-    policy = DEFAULT_POLICY.replace()  # a policy of its own: plans of its own
-    with use_policy(policy):
-        for _ in range(3):  # the first round runs and keeps each sequence, the others replay
-            for case, want in zip(cases, expected, strict=True):
-                for a, b in zip(fwd_bwd(*case), want, strict=True):
-                    assert torch.equal(a, b)
-    (fwd_plan,) = [p for key, p in plan._PLANS.items() if key[0] is policy and not key[1]]
-    (bwd_plan,) = [p for key, p in plan._PLANS.items() if key[0] is policy and key[1]]
-    assert len(fwd_plan.sequences) == 2  # with and without softplus
-    # The broadcast dout is staged into contiguous rows: the contiguous dout's sequence.
-    assert len(bwd_plan.sequences) == 4
+    # The first round runs and keeps each sequence, the others replay.
+    check_replays(DEFAULT_POLICY.replace(), fwd_bwd, cases, expected, rounds=3)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -15,7 +15,16 @@ import types
 import pytest
 import torch
 from conftest import TRITON_RUNS
-from helpers import SCAN_INPUTS, RecordOps, float_inputs, make_inputs, oracle, rel_err
+from helpers import (
+    SCAN_INPUTS,
+    RecordOps,
+    check_replays,
+    float_inputs,
+    make_inputs,
+    oracle,
+    rel_err,
+    replay_cases,
+)
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -934,26 +943,13 @@ def test_replayed_launch_sequences(monkeypatch):
     monkeypatch.setattr(plan.ScanPlan, "direct", lambda self, u: self.launchers)
     x = make_inputs(device=DEVICE, batch=2, dim=8, dstate=4, seqlen=24, initial_state=True)
     args = [x[k] for k in SCAN_INPUTS]
-    u = x["u"]
-    douts = [torch.randn_like(u), torch.randn_like(u[..., :1]).expand_as(u),
-             torch.randn(2, 24, 8, dtype=u.dtype, device=DEVICE).transpose(1, 2)]  # fmt: skip
-    dlast = torch.randn(2, 8, 4, device=DEVICE)
-    cases = [(dout, None, True) for dout in douts] + [(douts[0], dlast, True),
-                                                      (douts[0], None, False)]  # fmt: skip
+    cases = replay_cases(x["u"], 4)
 
     def fwd_bwd(dout, dlast_state, softplus):
         fwd = scan.scan_fwd(*args, softplus)
         return [*fwd, *scan.scan_bwd(dout, dlast_state, *args, fwd[2], softplus)]
 
     policy = DEFAULT_POLICY.replace(sm_count=132)  # plans of its own; no device query
-    with use_policy(policy):
-        with recording(launch=True):  # launched, never replayed
-            expected = [fwd_bwd(*case) for case in cases]
-        for _ in range(2):
-            for case, want in zip(cases, expected, strict=True):
-                for a, b in zip(fwd_bwd(*case), want, strict=True):
-                    assert torch.equal(a, b)
-    (fwd_plan,) = [p for key, p in plan._PLANS.items() if key[0] is policy and not key[1]]
-    (bwd_plan,) = [p for key, p in plan._PLANS.items() if key[0] is policy and key[1]]
-    assert len(fwd_plan.sequences) == 2  # with and without softplus
-    assert len(bwd_plan.sequences) == 4  # the staged broadcast dout has the contiguous one's
+    with use_policy(policy), recording(launch=True):  # launched, never replayed
+        expected = [fwd_bwd(*case) for case in cases]
+    check_replays(policy, fwd_bwd, cases, expected, rounds=2)
