@@ -329,6 +329,92 @@ def test_direct_training_step_does_not_synchronize(seqlen):
     assert leaves["u"].grad is not None
 
 
+def _step(leaves: dict, dout: torch.Tensor, dlast: torch.Tensor) -> tuple:
+    """A training step's share of the scan: gradients set to None, forward, backward."""
+    for t in leaves.values():
+        if t is not None and t.requires_grad:
+            t.grad = None
+    out, last = selective_scan_fn(**leaves, delta_softplus=True, return_last_state=True)
+    torch.autograd.backward((out, last), (dout, dlast))
+    return out, last
+
+
+def _step_inputs(seqlen: int, seed: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    inputs = make_inputs(device="cuda", batch=2, dim=640, dstate=16, seqlen=seqlen,
+                         dtype=torch.bfloat16, initial_state=True, seed=seed)  # fmt: skip
+    leaves = {k: v.requires_grad_() if k in float_inputs(inputs) else v
+              for k, v in inputs.items()}  # fmt: skip
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dout = torch.randn(inputs["u"].shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+    dlast = torch.randn(inputs["initial_state"].shape, generator=gen, device="cuda")
+    return leaves, dout, dlast
+
+
+@pytest.mark.parametrize("seqlen", [256, 2048])  # one range; 16 ranges (the local pass too)
+def test_training_step_replays_from_a_cuda_graph(seqlen):
+    """A training step captured whole in one CUDA graph (torch's whole-network capture: warm-up
+    on a side stream, the gradients None at capture, so the backward allocates them from the
+    graph's pool): each replay on fresh values copied into the captured inputs gives the
+    output, final state and gradients an eager step gives on those values, bit for bit."""
+    leaves, dout, dlast = _step_inputs(seqlen, seed=0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # compiles, plans, records the launches outside the capture
+            _step(leaves, dout, dlast)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _step(leaves, dout, dlast)
+    for seed in (1, 2):
+        fresh, fresh_dout, fresh_dlast = _step_inputs(seqlen, seed)
+        with torch.no_grad():
+            for k, v in fresh.items():
+                if v is not None:
+                    leaves[k].copy_(v)
+            dout.copy_(fresh_dout)
+            dlast.copy_(fresh_dlast)
+        graph.replay()
+        expected = _step(fresh, fresh_dout, fresh_dlast)
+        for a, b in zip(captured, expected, strict=True):
+            assert torch.equal(a, b)
+        for k in float_inputs(fresh):
+            assert torch.equal(leaves[k].grad, fresh[k].grad), k
+
+
+def test_reduce_overhead_training_step():
+    """torch.compile(mode="reduce-overhead") runs a training step's forward and backward as
+    CUDA graphs, none skipped, and replays match eager steps on the same values (kernels
+    compiled apart: equal up to rounding)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    def loss_fn(leaves: dict, dout: torch.Tensor, dlast: torch.Tensor) -> torch.Tensor:
+        out, last = selective_scan_fn(**leaves, delta_softplus=True, return_last_state=True)
+        return (out.float() * dout).sum() + (last * dlast).sum()
+
+    counters.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, mode="reduce-overhead", fullgraph=True)
+    for seed in range(4):  # a warm-up step, the recording, then replays
+        leaves, dout, dlast = _step_inputs(512, seed)
+        torch.compiler.cudagraph_mark_step_begin()
+        compiled(leaves, dout, dlast).backward()
+        grads = {k: leaves[k].grad.clone() for k in float_inputs(leaves)}
+        for k in grads:
+            leaves[k].grad = None
+        loss_fn(leaves, dout, dlast).backward()
+        for k, g in grads.items():
+            assert rel_err(g, leaves[k].grad) < 1e-3, k
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), False)
+
+    def recorded(nodes) -> int:
+        return sum(1 + recorded([c for cs in n.children.values() for c in cs]) for n in nodes)
+
+    assert recorded([n for ns in manager.roots.values() for n in ns]) >= 2  # forward, backward
+
+
 def test_backward_with_unaligned_dout_rows():
     """264 steps get kernels declaring 16-byte rows (a multiple of T = 8, not of 16); a dout
     whose rows are not (a view of 265-step rows) is copied into aligned rows first: the same
