@@ -9,16 +9,18 @@ kernels alone (profiler), and the public forward, eager and through torch.compil
 call vs torch.compile vs CUDA-graph replay for the small shape, eager vs compiled with static
 and dynamic shapes (S1, forward and forward + backward), first-call compile time, determinism
 of the backward, the backward given an expanded dout, S6's training step with autograd's
-device threads on and off (ours and the anchor's), and time vs seqlen for the plot (2049 and
-2056 steps too). The public calls are also timed queued back to back (*_b2b_ms, see
-time_rotating): a call's host time counts there only where it exceeds its GPU time. Writes
-<out>/h200.json and prints a table.
+device threads on and off (ours and the anchor's), S6's and S1's training steps replayed from
+CUDA graphs (whole-step capture, and torch.compile's "reduce-overhead"), and time vs seqlen for
+the plot (2049 and 2056 steps too). The public calls are also timed queued back to back
+(*_b2b_ms, see time_rotating): a call's host time counts there only where it exceeds its GPU
+time. Writes <out>/h200.json and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -146,8 +148,7 @@ def compiled_public(leaves: dict, plain: dict):
     compiles its own: from a copy of the function's code (Dynamo keeps its graphs by code
     object), with the compile caches off (their keys omit the sizes: a graph compiled for another
     shape would be served)."""
-    own = types.FunctionType(_public_call.__code__.replace(), _public_call.__globals__)
-    fn = torch.compile(own, dynamic=True, fullgraph=True)
+    fn = torch.compile(_own_public_call(), dynamic=True, fullgraph=True)
     with torch._inductor.config.patch(force_disable_caches=True):
         fwd_bwd_step(fn, leaves, torch.randn_like(leaves["u"]))
         _no_grad(fn, plain)
@@ -156,6 +157,12 @@ def compiled_public(leaves: dict, plain: dict):
 
 def _public_call(**kwargs):
     return selective_scan_fn(**kwargs)
+
+
+def _own_public_call():
+    """_public_call from a copy of its code: Dynamo keeps graphs by code object, so each copy
+    compiles its own."""
+    return types.FunctionType(_public_call.__code__.replace(), _public_call.__globals__)
 
 
 def anchor_figures(module, sets: list[dict], douts: list[torch.Tensor], leaves: list[dict]) -> dict:
@@ -519,9 +526,72 @@ def calling_thread(shape: str = "S6") -> dict:
     return result
 
 
+def captured_step(step) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of step() (a training step: gradients set to None, forward, backward),
+    captured as torch's whole-network capture does: after warm-up on a side stream, so that
+    the backward allocates the gradients from the graph's pool."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def graphed_steps(shapes: tuple[str, ...] = ("S6", "S1")) -> dict:
+    """A training step's forward + backward through autograd without the host's time: captured
+    whole in a CUDA graph and replayed, ours and the anchor's (through its autograd.Function,
+    where it builds), and ours under torch.compile(mode="reduce-overhead"), which records CUDA
+    graphs itself; with the eager steps timed in the same run."""
+    module = guarded(anchor.build)
+    steps = {"ours": selective_scan_fn}
+    if module is not None and not isinstance(module, dict):
+        steps["anchor"] = anchor_step(module)
+    result = {}
+    for shape in shapes:
+        result[shape] = graphed_shape(shape, steps)
+        print(shape, "graphed", json.dumps(result[shape]), flush=True)
+        torch.cuda.empty_cache()
+    return result
+
+
+def graphed_shape(shape: str, steps: dict) -> dict:
+    """graphed_steps' figures of one shape; steps: the scan functions by name."""
+    sets = input_sets(shape)
+    leaves = [leaf_args(x) for x in sets]
+    douts = [torch.randn_like(x["u"]) for x in sets]
+    count = len(sets)
+    figures = {}
+    for name, fn in steps.items():
+        eager = [functools.partial(fwd_bwd_step, fn, leaves[i], douts[i]) for i in range(count)]
+        graphs = [captured_step(step) for step in eager]
+        figures[f"{name}_fwd_bwd_ms"] = time_rotating(lambda i, e=eager: e[i](), count)
+        figures[f"{name}_fwd_bwd_graph_ms"] = time_rotating(
+            lambda i, g=graphs: g[i].replay(), count
+        )
+    compiled = torch.compile(_own_public_call(), mode="reduce-overhead", fullgraph=True)
+
+    def reduce_overhead(i):
+        torch.compiler.cudagraph_mark_step_begin()
+        fwd_bwd_step(compiled, leaves[i], douts[i])
+
+    for i in range(3 * count):  # warm-up and recording
+        reduce_overhead(i % count)
+    for suffix, calls in REPETITIONS.items():
+        figures[f"ours_fwd_bwd_reduce_overhead_{suffix}"] = time_rotating(
+            reduce_overhead, count, calls
+        )
+    return figures
+
+
 EXTRAS = {
     "modes_S6": bench_modes,
     "calling_thread_S6": calling_thread,
+    "graphed_steps": graphed_steps,
     "compile_modes_S1": compile_modes,
     "determinism_S1": determinism,
     "cold_compile": cold_compile,
