@@ -37,7 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from report import environment, guarded
+from report import capture, environment, guarded
 
 from selective_scan import MambaLMHeadModel, selective_state_update
 from selective_scan.interface import use_triton
@@ -93,23 +93,6 @@ def back_to_back_us(fn: Callable, device: str, calls: int = 100, rounds: int = 3
         per_call.append((time.perf_counter() - t0) / calls)
     sync(device)
     return 1e6 * statistics.median(per_call)
-
-
-def capture(fn: Callable) -> tuple[torch.cuda.CUDAGraph, object]:
-    """(graph of one call of fn, fn's output in the graph's memory). Warms up on a side stream
-    first, as CUDA graphs need (Triton compiles, cuBLAS picks its workspace there)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    torch.cuda.synchronize()
-    return graph, out
 
 
 # ---- the step ------------------------------------------------------------------------------

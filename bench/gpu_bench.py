@@ -39,7 +39,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import anchor
 from profile_kernels import per_kernel_us
-from report import git_commit, guarded
+from report import capture, git_commit, guarded
 from shapes import ANCHORS_MS, FWD_ARGS, SHAPES, make_bench_inputs
 
 import selective_scan  # noqa: F401  (registers the ops)
@@ -334,16 +334,6 @@ def peak_memory(x: dict) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-def _captured(fn):
-    """(CUDA graph of one fn() call, its output), fn warmed up first."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 def bench_modes(shape: str = "S6") -> dict:
     """Eager call vs torch.compile'd call vs CUDA-graph replays of the compiled call and of the
     eager call (the eager launches: direct, and the forward's dependent launch, see
@@ -359,12 +349,12 @@ def bench_modes(shape: str = "S6") -> dict:
     compiled()
     torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
-    graph, static = _captured(compiled)
-    eager_graph, _ = _captured(eager)
+    graph, static = capture(compiled)
+    eager_graph, _ = capture(eager)
     # The method's floor: a graph of one launch that does next to nothing, timed alike (the
     # event pair, the graph's launch, after do_bench's L2 flush).
     one = torch.zeros(1, device="cuda")
-    tiny_graph, _ = _captured(lambda: one.add_(1))
+    tiny_graph, _ = capture(lambda: one.add_(1))
     result = {
         "eager_ms": do_bench(eager, warmup=50, rep=200, return_mode="median"),
         "compiled_ms": do_bench(compiled, warmup=50, rep=200, return_mode="median"),
@@ -526,22 +516,6 @@ def calling_thread(shape: str = "S6") -> dict:
     return result
 
 
-def captured_step(step) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of step() (a training step: gradients set to None, forward, backward),
-    captured as torch's whole-network capture does: after warm-up on a side stream, so that
-    the backward allocates the gradients from the graph's pool."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph
-
-
 def graphed_steps(shapes: tuple[str, ...] = ("S6", "S1")) -> dict:
     """A training step's forward + backward through autograd without the host's time: captured
     whole in a CUDA graph and replayed, ours and the anchor's (through its autograd.Function,
@@ -568,7 +542,7 @@ def graphed_shape(shape: str, steps: dict) -> dict:
     figures = {}
     for name, fn in steps.items():
         eager = [functools.partial(fwd_bwd_step, fn, leaves[i], douts[i]) for i in range(count)]
-        graphs = [captured_step(step) for step in eager]
+        graphs = [capture(step)[0] for step in eager]
         figures[f"{name}_fwd_bwd_ms"] = time_rotating(lambda i, e=eager: e[i](), count)
         figures[f"{name}_fwd_bwd_graph_ms"] = time_rotating(
             lambda i, g=graphs: g[i].replay(), count

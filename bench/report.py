@@ -83,3 +83,22 @@ def edited_module(module: ModuleType, edits, name: str, source: Path | None = No
     copy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(copy)
     return copy
+
+
+def capture(fn: Callable) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(graph of one call of fn, fn's output in the graph's memory). Warms up on a side stream
+    first, as CUDA graphs need (Triton compiles, cuBLAS picks its workspace there); a training
+    step's backward then allocates its gradients from the graph's pool if fn sets them to None,
+    as torch's whole-network capture does."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out

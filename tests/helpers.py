@@ -4,6 +4,8 @@ and a pairwise generator of test cases."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from conftest import DEVICE
@@ -303,3 +305,23 @@ def complex_inputs(form_b="variable", form_c="constant", batch=2, dim=4, dstate=
         initial_state=torch.randn(batch, dim, dstate, generator=gen, dtype=c128).to(cdt),
     )
     return {k: v.to(device) for k, v in inputs.items()}
+
+
+T = TypeVar("T")
+
+
+def capture(fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """(a CUDA graph of one call of fn, what that call returned: tensors in the graph's memory,
+    rewritten by every replay). Two calls on a side stream first, as capture needs: Triton
+    compiles its kernels, cuBLAS sets up its workspace. A training step that sets its gradients
+    to None gets them allocated from the graph's pool (torch's whole-network capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs

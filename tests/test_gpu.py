@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import (
     SCAN_INPUTS,
+    capture,
     check_replays,
     float_inputs,
     make_inputs,
@@ -357,15 +358,7 @@ def test_training_step_replays_from_a_cuda_graph(seqlen):
     graph's pool): each replay on fresh values copied into the captured inputs gives the
     output, final state and gradients an eager step gives on those values, bit for bit."""
     leaves, dout, dlast = _step_inputs(seqlen, seed=0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):  # compiles, plans, records the launches outside the capture
-            _step(leaves, dout, dlast)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = _step(leaves, dout, dlast)
+    graph, captured = capture(lambda: _step(leaves, dout, dlast))
     for seed in (1, 2):
         fresh, fresh_dout, fresh_dlast = _step_inputs(seqlen, seed)
         with torch.no_grad():

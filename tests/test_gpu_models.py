@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import TypeVar
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close
+from helpers import assert_close, capture
 from model_helpers import (
     assert_cache_close,
     assert_packed_prefill_then_steps_match,
@@ -124,25 +123,6 @@ def test_prefill_then_steps_match_forward(dtype, prompt):
         logits, cache = model.step(ids[:, t : t + 1], cache)
         assert_close(f"logits at {t}", logits, expected[:, t : t + 1], TOL[dtype])
     assert_cache_close(cache, model.prefill(ids)[1], TOL[dtype])
-
-
-T = TypeVar("T")
-
-
-def capture(fn: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
-    """(a CUDA graph of one call of fn, what that call returned: tensors in the graph's memory,
-    rewritten by every replay). Two calls on a side stream first, as capture needs: Triton
-    compiles its kernels, cuBLAS sets up its workspace."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = fn()
-    return graph, outputs
 
 
 @torch.no_grad()
