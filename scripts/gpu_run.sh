@@ -70,8 +70,8 @@ for stage in $STAGES; do
             tests/test_complex.py ${PYTEST_ARGS:-} ;;
         tests) run tests "$OUT_DIR/tests.log" python3 -m pytest -p no:cacheprovider -rf \
             --tb=short "${WORKERS[@]}" $TESTS ${PYTEST_ARGS:-} ;;
-        # The grid compiles about 900 kernel specializations: a stage of its own. 15 workers,
-        # each holding two calls' outputs and gradients, ran an 80 GB H100 out of memory.
+        # The grid compiles about 900 kernel specializations: a stage of its own. 15 and 10
+        # workers, each holding two calls' outputs and gradients, ran an 80 GB H100 out of memory.
         conformance) run conformance "$OUT_DIR/conformance.log" python3 -m pytest \
             -p no:cacheprovider -rf --tb=short -n "${CONFORMANCE_WORKERS:-8}" \
             tests/test_gpu_conformance.py ;;
