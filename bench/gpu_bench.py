@@ -44,6 +44,7 @@ from shapes import ANCHORS_MS, FWD_ARGS, SHAPES, make_bench_inputs
 
 import selective_scan  # noqa: F401  (registers the ops)
 from selective_scan import selective_scan_fn, selective_scan_ref
+from selective_scan.kernels.tiles import DEFAULT_POLICY, use_policy
 
 COPY_BW = 4.27e12  # bytes/s, measured device-to-device copy on the H200 (anchors.md)
 EXP_RATE = 4.15e12  # ex2/s, measured MUFU rate on the H200 (anchors.md)
@@ -417,6 +418,49 @@ def compile_modes(shape: str = "S1") -> dict:
     return result
 
 
+def compiled_lengths(shape: str = "S1", lengths: tuple[int, ...] = (2048, 2049, 2056)) -> dict:
+    """The public function compiled once with dynamic shapes (a symbolic length) and called at
+    lengths 16 divides, 8 only, and neither: forward and forward + backward, with symbolic lengths
+    in padded rows (the default) and in rows of their own (``pad_rows=False``: the kernels then
+    check the alignment at run time and take the plain body where T does not divide the
+    length). Also the largest error of the compiled output and du against eager's, and the
+    graphs compiled (two a policy, with and without gradients, when no length recompiles)."""
+    result = {}
+    policies = {"padded": DEFAULT_POLICY, "unpadded": DEFAULT_POLICY.replace(pad_rows=False)}
+    for name, policy in policies.items():
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        with use_policy(policy), torch._inductor.config.patch(force_disable_caches=True):
+            fn = torch.compile(_own_public_call(), dynamic=True, fullgraph=True)
+            for L in lengths:
+                result[f"{name}_{L}"] = _compiled_length(fn, shape, L)
+                print(" ", name, L, json.dumps(result[f"{name}_{L}"]), file=sys.stderr, flush=True)
+        result[f"{name}_graphs"] = counters["stats"]["unique_graphs"]
+    return result
+
+
+def _compiled_length(fn, shape: str, seqlen: int) -> dict:
+    """compiled_lengths' figures of the compiled public function fn at one length."""
+    args = leaf_args(make_bench_inputs(shape, small_seqlen=seqlen))
+    plain = {k: v.detach() if torch.is_tensor(v) else v for k, v in args.items()}
+    out = fn(**args)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    eager = leaf_args(plain)
+    selective_scan_fn(**eager).backward(dout)
+    errors = {
+        "out_max_abs_err": (out - selective_scan_fn(**plain)).abs().max().item(),
+        "du_max_abs_err": (args["u"].grad - eager["u"].grad).abs().max().item(),
+    }
+    return {
+        "fwd_ms": do_bench(lambda: fn(**plain), warmup=25, rep=100, return_mode="median"),
+        "fwd_bwd_ms": do_bench(lambda: fn(**args).backward(dout), warmup=25, rep=100,
+                               return_mode="median"),
+        **errors,
+    }  # fmt: skip
+
+
 def determinism(shape: str = "S1") -> dict:
     x = make_bench_inputs(shape)
     out, _, ckpt = fwd_op(x)
@@ -567,6 +611,7 @@ EXTRAS = {
     "calling_thread_S6": calling_thread,
     "graphed_steps": graphed_steps,
     "compile_modes_S1": compile_modes,
+    "compiled_lengths_S1": compiled_lengths,
     "determinism_S1": determinism,
     "cold_compile": cold_compile,
     "broadcast_dout_S1": broadcast_dout,

@@ -11,6 +11,7 @@ grid runs on the real kernels in test_gpu.py and, parametrized by backend, on a 
 import itertools
 import math
 import types
+from unittest import mock
 
 import pytest
 import torch
@@ -113,9 +114,9 @@ CASES = {
     # time and take the body declaring it, or the plain one.
     "checked-aligned-ranges": dict(batch=1, seqlen=300, dstate=8, initial_state=True, checked=True),
     "checked-unaligned": dict(seqlen=41, dtype=torch.bfloat16, dstate=5, checked=True),
-    # And with a symbolic length, whose rows are not padded (see layout.padded), in the tiles
-    # traced calls take for such examples (see config): the last tile cut by masks, in 2-lane
-    # tiles with EPI over ranges, and after a PRE pass.
+    # And rows left unpadded (the policy's pad_rows off), in the tiles traced calls take for
+    # such examples (see config): the last tile cut by masks, in 2-lane tiles with EPI over
+    # ranges, and after a PRE pass.
     "traced-two-lane-epilogue": dict(batch=1, seqlen=300, dstate=8, initial_state=True,
                                      checked=True, unpadded=True, fwd_tiles={"NS": 2, "EPI": 1}),
     "traced-pre-pass": dict(seqlen=41, dtype=torch.bfloat16, dstate=16, checked=True,
@@ -282,6 +283,9 @@ def test_align_modes():
     )
     seqlen = next(iter(traced.graph.nodes)).meta["val"].shape[-1]  # a symbolic size
     assert layout.align_mode(8, False, seqlen, 16) == layout.ALIGN_CHECKED
+    rows = common.cdiv(seqlen, 8) * 8  # padded rows: a multiple of 8 by construction
+    assert layout.align_mode(8, True, rows, 16 * rows, rows) == layout.ALIGN_DECLARED
+    assert layout.align_mode(8, False, rows, 16 * rows) == layout.ALIGN_DECLARED  # no 16 known
     # Known sizes leave one launch: the kernel they call for, with the whole grid.
     grid = (12, 1, 3)
     assert layout.checked_launches(grid, 8, (1000, 8000)) == [(layout.ALIGN_DECLARED, grid)]
@@ -320,11 +324,13 @@ def test_padded_rows(tiles, seqlen, layout, copied, rows, align):
     assert torch.equal(u, x["u"]) and (u.stride(1) % T == 0 or layout == "channels_last")
 
 
-def test_traced_calls_pad_known_lengths_only():
+def test_traced_calls_pad_rows():
     """Fake tensors (torch.compile, torch.export) of a known odd length get padded rows, as
-    eager calls do; with a symbolic length they keep their rows, guard on nothing, and leave
-    the alignment to the kernels' run-time check. Misaligned views are copied in eager calls
-    only (a traced view's strides may be symbolic)."""
+    eager calls do. A symbolic length gets them by a guard on seqlen % T (one graph for the
+    lengths T divides, one for the others), its rows a multiple of T by construction, which the
+    launch declares without a run-time check; exported, it keeps its rows and guards on
+    nothing. Misaligned views of a known length are copied in eager calls only (a traced
+    view's strides may be symbolic)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     x = make_inputs(device="cpu", batch=2, dim=16, seqlen=2049, dtype=torch.bfloat16)
@@ -341,28 +347,58 @@ def test_traced_calls_pad_known_lengths_only():
         p = plan_of("fwd", fake)
     assert (p.pad, p.copied) == (False, [False] * 3)
 
-    plans = []
+    def trace(steps: int, exporting: bool = False):
+        """(plan, graph, guards on the length) of the forward's plan traced with a symbolic
+        length; the graph returns u's padded rows and their crop."""
+        plans = []
 
-    def symbolic_plan(u, delta, A, B, C, D, z, delta_bias):
-        plans.append(plan_of("fwd", (u, delta, A, B, C, D, z, delta_bias)))
-        return u.new_empty(())
+        def symbolic_plan(u, delta, A, B, C, D, z, delta_bias):
+            plans.append(plan_of("fwd", (u, delta, A, B, C, D, z, delta_bias)))
+            rows = layout.staged(u, plans[0].layout)
+            return rows, layout.unpadded(rows, plans[0].layout)
 
-    x = make_inputs(device="cpu", batch=2, dim=16, seqlen=37, dtype=torch.bfloat16)
-    graph = make_fx(symbolic_plan, tracing_mode="symbolic")(*[x[k] for k in SCAN_INPUTS[:8]])
-    u = next(iter(graph.graph.nodes)).meta["val"]
-    assert (plans[0].pad, plans[0].copied, plans[0].flags["WIDE"]) == (False, [False] * 3, False)
-    assert plans[0].flags["ALIGN"] == layout.ALIGN_CHECKED
-    # (The tile choice guards on dstate's power of two; nothing may guard on the length.)
-    seqlen = u.shape[-1].node.expr.free_symbols
-    assert not [g.expr for g in u.fake_mode.shape_env.guards if g.expr.free_symbols & seqlen]
+        x = make_inputs(device="cpu", batch=2, dim=16, seqlen=steps, dtype=torch.bfloat16)
+        with mock.patch("torch.compiler.is_exporting", return_value=exporting):
+            graph = make_fx(symbolic_plan, tracing_mode="symbolic")(
+                *[x[k] for k in SCAN_INPUTS[:8]]
+            )  # fmt: skip
+        u = next(iter(graph.graph.nodes)).meta["val"]
+        seqlen = u.shape[-1].node.expr.free_symbols
+        # (The tile choice guards on dstate's power of two.)
+        guards = [str(g.expr) for g in u.fake_mode.shape_env.guards
+                  if g.expr.free_symbols & seqlen]  # fmt: skip
+        return plans[0], graph, x, [g.replace(str(next(iter(seqlen))), "seqlen") for g in guards]
+
+    p, graph, x, guards = trace(37)
+    T = p.cfg["T"]
+    assert (p.pad, p.copied, p.flags["WIDE"]) == (True, [True] * 3, True)
+    assert p.flags["ALIGN"] == layout.ALIGN_DECLARED
+    assert guards == [f"Ne(Mod(seqlen, {T}), 0)"]
+    # The traced pad and crop: u, then zeros to a multiple of T; right at any length.
+    for steps in (37, 48):
+        v = torch.randn(2, 16, steps, dtype=torch.bfloat16)
+        rows, cropped = graph(v, *[x[k] for k in SCAN_INPUTS[1:8]])
+        assert rows.shape[2] == -(-steps // T) * T and rows.is_contiguous()
+        assert torch.equal(rows[..., :steps], v) and not rows[..., steps:].any()
+        assert torch.equal(cropped, v) and cropped.is_contiguous()
+
+    p, _, _, guards = trace(48)
+    assert (p.pad, p.copied, p.flags["ALIGN"]) == (False, [False] * 3, layout.ALIGN_CHECKED)
+    assert guards == [f"Eq(Mod(seqlen, {p.cfg['T']}), 0)"]
+    p, _, _, guards = trace(37, exporting=True)
+    assert (p.pad, p.copied, p.flags["WIDE"], guards) == (False, [False] * 3, False, [])
+    assert p.flags["ALIGN"] == layout.ALIGN_CHECKED
 
 
-@pytest.mark.parametrize("seqlen", [256, 1024])  # tiles of the example: 4 lanes, PRE / 2, EPI
+# Tiles of the example: 4 lanes, PRE / 2, EPI; 999 steps get padded rows.
+@pytest.mark.parametrize("seqlen", [256, 1024, 999])
 def test_traced_launchers_guard_alike_for_any_size(seqlen):
     """Both launchers traced with symbolic sizes (as torch.compile(dynamic=True) traces them):
-    every guard holds for other batches, channel counts and lengths alike, so that new sizes
-    compile nothing again. Range buffers shaped (ranges, ...) were tested for a count of 1
-    (contiguity): true at 256 steps, false at 999 (cut into ranges)."""
+    every guard holds for other batches, channel counts and for lengths alike, so that new
+    sizes compile nothing again: lengths alike are those whose rows are padded or not, as the
+    example's (layout.padded, the one guard on the length's value but its range). Range
+    buffers shaped (ranges, ...) were tested for a count of 1 (contiguity): true at 256 steps,
+    false at 999 (cut into ranges)."""
 
     def both_directions(u, delta, A, B, C, D, z, delta_bias):
         out, last, ckpt = scan.scan_fwd(u, delta, A, B, C, D, z, delta_bias, None, None, True)
@@ -382,30 +418,39 @@ def test_traced_launchers_guard_alike_for_any_size(seqlen):
     assert (forward["NS"], forward["PRE"] > 0, forward["EPI"]) == {
         256: (4, True, 0),
         1024: (2, False, 1),
+        999: (2, False, 1),
     }[seqlen]
     # The range entries' launches stay in the graph for a symbolic count of ranges, with no
     # program where it is 1 (their programs took 5-14 us of compiled forwards on the H200).
     entries = [common.size_hint(grid[0]) for kernel, grid, *_ in launches
                if kernel is _range_entries_kernel]  # fmt: skip
-    assert len(entries) == 2 and (min(entries) > 0) == (seqlen == 1024), entries
+    assert len(entries) == 2 and (min(entries) > 0) == (seqlen != 256), entries
     u = next(iter(graphs[0].graph.nodes)).meta["val"]
     env = u.fake_mode.shape_env
     hints = getattr(env, "backed_var_to_val", None) or env.var_to_val  # renamed in torch 2.13
-    batch, dim, seqlen = (next(iter(s.node.expr.free_symbols)) for s in u.shape)
+    batch, dim, seqlen_symbol = (next(iter(s.node.expr.free_symbols)) for s in u.shape)
     guards = [g.expr for g in env.guards]
     assert guards  # e.g. buffers of at least 2 elements
-    # Each scan launch is traced as a pair (checked_launches): the declaring kernel, then the
-    # plain one; for any sizes exactly one of them has programs, all the launch's.
+    # The forward pads rows to its T (16 for these examples), the backward to 8.
+    alike = [L for L in (2, 7, 16, 129, 256, 999, 1000, 4096, 100_003, 100_000)
+             if (L % 16 == 0, L % 8 == 0) == (seqlen % 16 == 0, seqlen % 8 == 0)]  # fmt: skip
     scans = [(flags["ALIGN"], grid[0]) for kernel, grid, flags, _ in launches
              if kernel in (_scan_fwd_kernel, _scan_bwd_kernel)]  # fmt: skip
-    assert [align for align, _ in scans] == [layout.ALIGN_DECLARED, layout.ALIGN_PLAIN] * (
-        len(scans) // 2
-    )
-    for sizes in itertools.product((2, 3, 8), (16, 64, 1536, 5120), (2, 7, 129, 999, 100_003)):
-        values = {**hints, **dict(zip((batch, dim, seqlen), sizes, strict=True))}
+    if seqlen % 8:  # padded rows: the declaring kernel alone, no run-time check
+        assert scans and all(align == layout.ALIGN_DECLARED for align, _ in scans)
+    else:  # rows of their own: each launch the declaring kernel and the plain one
+        assert [align for align, _ in scans] == [layout.ALIGN_DECLARED, layout.ALIGN_PLAIN] * (
+            len(scans) // 2
+        )
+    for sizes in itertools.product((2, 3, 8), (16, 64, 1536, 5120), alike):
+        values = {**hints, **dict(zip((batch, dim, seqlen_symbol), sizes, strict=True))}
         for expr in guards:
             assert bool(expr.xreplace(values)), (sizes, expr)
         programs = [int(torch.sym_int(g).node.expr.xreplace(values)) for _, g in scans]
+        if seqlen % 8:
+            assert min(programs) > 0, sizes
+            continue
+        # For any such sizes exactly one kernel of a pair has programs, all the launch's.
         for declared, plain in zip(programs[::2], programs[1::2], strict=True):
             assert declared + plain > 0 and (declared == 0) == (sizes[2] % 16 != 0), sizes
 

@@ -7,12 +7,13 @@ of T, ALIGN_DECLARED), or, while traced with symbolic sizes, checked at run time
 (ALIGN_CHECKED: the launcher launches the declaring and the plain kernel with complementary
 grids, ``checked_launches``).
 
-A known length that T does not divide gets rows padded to the next multiple: the per-step
-inputs are copied into such rows (``staged``), outputs are written into them and copied out
-(``unpadded``), and the kernels load whole tiles (WIDE). Inputs contiguous in time whose rows
-start off multiples of T (views), and steps broadcast in time, are copied likewise
-(``restaged``); inputs strided in time are not (their loads are not vectors along time anyway).
-Traced calls with a symbolic length keep their rows and pick the kernel at run time instead.
+A length that T does not divide gets rows padded to the next multiple (``padded``: symbolic
+lengths too, by a guard, except under torch.export): the per-step inputs are copied into such
+rows (``staged``), outputs are written into them and copied out (``unpadded``), and the kernels
+load whole tiles (WIDE). Inputs contiguous in time whose rows start off multiples of T (views),
+and steps broadcast in time, are copied likewise (``restaged``); inputs strided in time are not
+(their loads are not vectors along time anyway). Exported calls with a symbolic length keep their
+rows and pick the kernel at run time instead.
 
 Variable B and C are copied once per call into blocks (``bc_block_tensors``, ``launch_bc_blocks``):
 every (tile, state) row is T contiguous values the kernels load without masks or conversion.
@@ -24,8 +25,10 @@ import math
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .bc_blocks import _bc_blocks_kernel
 from .common import cdiv, sym_max, sym_min
@@ -38,11 +41,14 @@ BC_BLOCK_ELEMENTS = 2048  # elements a program of _bc_blocks_kernel writes
 def align_mode(T: int, wide: bool, rows, *row_strides) -> int:
     """The ALIGN of a launch whose rows hold `rows` steps and start at multiples of these
     strides. WIDE launches (packed sequences, padded rows) always want the declaration when it
-    holds: only the declaring body loads whole tiles (common.tile_masks)."""
+    holds: only the declaring body loads whole tiles (common.tile_masks). A symbolic size counts
+    as a multiple of T where its expression is one (padded rows, ``Rows``), without a guard;
+    Triton's specialization knows nothing of symbolic sizes."""
     sizes = (rows, *row_strides)
-    if not all(isinstance(v, int) for v in sizes):
-        return ALIGN_CHECKED
-    if not all(v % T == 0 for v in sizes) or (all(v % 16 == 0 for v in sizes) and not wide):
+    known = all(isinstance(v, int) for v in sizes)
+    if not all(statically_known_true(v % T == 0) for v in sizes):
+        return ALIGN_PLAIN if known else ALIGN_CHECKED
+    if known and not wide and all(v % 16 == 0 for v in sizes):
         return ALIGN_PLAIN
     return ALIGN_DECLARED
 
@@ -63,8 +69,15 @@ def checked_launches(grid: tuple, T: int, sizes) -> list[tuple[int, tuple]]:
 
 
 def padded(seqlen, T: int) -> bool:
-    """Whether rows of this length are padded (a known length, not a multiple of T)."""
-    return isinstance(seqlen, int) and seqlen % T != 0
+    """Whether rows of this length are padded: a length T does not divide. A symbolic one is
+    decided by a guard under torch.compile (a graph for the lengths T divides, one for the
+    others, which unpadded would run the plain kernels: time across lanes, 5-11x slower, design
+    §10); under torch.export, where a guard on seqlen % T contradicts a dynamic length, rows are
+    not padded and the kernels check the alignment at run time. Either way is right for every
+    length: the guard only picks the faster."""
+    if isinstance(seqlen, int):
+        return seqlen % T != 0
+    return not torch.compiler.is_exporting() and bool(seqlen % T != 0)
 
 
 def restaged(t: Tensor | None, pad: bool, T: int) -> bool:
@@ -97,23 +110,32 @@ class Rows(NamedTuple):
 
 
 def new_rows(like: Tensor, r: Rows, dtype: torch.dtype) -> Tensor:
-    """An uninitialized tensor shaped like `like` (batch, dim, seqlen), contiguous, or a view of
-    the first seqlen steps of padded rows."""
+    """An uninitialized tensor shaped like `like` (batch, dim, seqlen), contiguous; for padded
+    rows a view of their first seqlen steps, or where the length is symbolic the whole rows (a
+    view's contiguity would guard on rows == seqlen)."""
     if not r.pad:
         return like.new_empty(like.shape, dtype=dtype)
-    return like.new_empty((r.batch, r.dim, r.rows), dtype=dtype)[..., : r.seqlen]
+    rows = like.new_empty((r.batch, r.dim, r.rows), dtype=dtype)
+    return rows[..., : r.seqlen] if isinstance(r.seqlen, int) else rows
 
 
 def staged(t: Tensor, r: Rows) -> Tensor:
-    """t (batch, dim, seqlen) copied into fresh rows (new_rows)."""
+    """t (batch, dim, seqlen) copied into fresh rows (new_rows); with a symbolic length, rows
+    padded with zeros by a pad op (guard-free, and fused by Inductor into t's producer)."""
+    if not isinstance(r.seqlen, int):
+        return F.pad(t, (0, r.rows - r.seqlen))
     out = new_rows(t, r, t.dtype)
     out.copy_(t)
     return out
 
 
 def unpadded(t: Tensor, r: Rows) -> Tensor:
-    """An output written by the kernels into new_rows as a contiguous tensor."""
-    return t.contiguous() if r.pad else t
+    """An output written by the kernels into new_rows as a contiguous tensor of seqlen steps."""
+    if not r.pad:
+        return t
+    if not isinstance(r.seqlen, int):
+        return F.pad(t, (0, r.seqlen - r.rows))  # a crop: a fresh tensor, no view's guards
+    return t.contiguous()
 
 
 def strides3(t: Tensor | None) -> tuple:
