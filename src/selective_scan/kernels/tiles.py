@@ -56,7 +56,7 @@ class TilePolicy:
     calls. fast_math, pdl: None decides from the device, a bool forces it (fast math only
     in float32). sm_count: None asks
     the device. align: None decides each launch's ALIGN from its sizes, else forces one
-    (layout.ALIGN_*). pad_rows: known lengths that T does not divide get padded rows.
+    (layout.ALIGN_*). pad_rows: lengths that T does not divide get padded rows (layout.padded).
     range_block: ranges a program of the range entries' launch takes a step. sum_programs:
     programs a grad_sums job should have at least. sum_tile: None picks grad_sums' tiles, else
     forces the step jobs' BM."""
