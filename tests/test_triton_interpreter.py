@@ -388,6 +388,11 @@ def test_traced_calls_pad_rows():
     p, _, _, guards = trace(37, exporting=True)
     assert (p.pad, p.copied, p.flags["WIDE"], guards) == (False, [False] * 3, False, [])
     assert p.flags["ALIGN"] == layout.ALIGN_CHECKED
+    # A length with no value to guard on (unbacked, data-dependent): rows of its own, no error.
+    env = ShapeEnv()
+    with FakeTensorMode(shape_env=env) as mode:
+        unbacked = mode.from_tensor(torch.tensor(37)).item()
+        assert not layout.padded(unbacked, 8) and env.guards == []
 
 
 # Tiles of the example: 4 lanes, PRE / 2, EPI; 999 steps get padded rows.

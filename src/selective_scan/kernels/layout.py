@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 from .bc_blocks import _bc_blocks_kernel
 from .common import cdiv, sym_max, sym_min
@@ -72,12 +72,13 @@ def padded(seqlen, T: int) -> bool:
     """Whether rows of this length are padded: a length T does not divide. A symbolic one is
     decided by a guard under torch.compile (a graph for the lengths T divides, one for the
     others, which unpadded would run the plain kernels: time across lanes, 5-11x slower, design
-    §10); under torch.export, where a guard on seqlen % T contradicts a dynamic length, rows are
-    not padded and the kernels check the alignment at run time. Either way is right for every
-    length: the guard only picks the faster."""
+    §10); under torch.export, where a guard on seqlen % T contradicts a dynamic length, and for
+    a length without a value to guard on (unbacked), rows are not padded and the kernels check
+    the alignment at run time. Either way is right for every length: the guard only picks the
+    faster."""
     if isinstance(seqlen, int):
         return seqlen % T != 0
-    return not torch.compiler.is_exporting() and bool(seqlen % T != 0)
+    return not torch.compiler.is_exporting() and guard_or_false(seqlen % T != 0)
 
 
 def restaged(t: Tensor | None, pad: bool, T: int) -> bool:
