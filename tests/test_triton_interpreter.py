@@ -348,8 +348,8 @@ def test_traced_calls_pad_rows():
     assert (p.pad, p.copied) == (False, [False] * 3)
 
     def trace(steps: int, exporting: bool = False):
-        """(plan, graph, guards on the length) of the forward's plan traced with a symbolic
-        length; the graph returns u's padded rows and their crop."""
+        """(plan, graph, example inputs, guards on the length) of the forward's plan traced
+        with a symbolic length; the graph returns u's padded rows and their crop."""
         plans = []
 
         def symbolic_plan(u, delta, A, B, C, D, z, delta_bias):
