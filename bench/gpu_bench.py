@@ -424,7 +424,10 @@ def compiled_lengths(shape: str = "S1", lengths: tuple[int, ...] = (2048, 2049, 
     in padded rows (the default) and in rows of their own (``pad_rows=False``: the kernels then
     check the alignment at run time and take the plain body where T does not divide the
     length). Also the largest error of the compiled output and du against eager's, and the
-    graphs compiled (two a policy, with and without gradients, when no length recompiles)."""
+    graphs compiled (two a policy, with and without gradients, when no length recompiles).
+    Unlike fwd_bwd_step, the timed forward + backward leaves .grad set, so each step also adds
+    its gradients into the leaves' .grad: compare these figures with each other, not with
+    fwd_bwd_ms of bench_shape."""
     result = {}
     policies = {"padded": DEFAULT_POLICY, "unpadded": DEFAULT_POLICY.replace(pad_rows=False)}
     for name, policy in policies.items():
