@@ -1003,3 +1003,24 @@ def test_replayed_launch_sequences(monkeypatch):
     with use_policy(policy), recording(launch=True):  # launched, never replayed
         expected = [fwd_bwd(*case) for case in cases]
     check_replays(policy, fwd_bwd, cases, expected, rounds=2)
+
+
+def test_backward_takes_its_forwards_policy(monkeypatch):
+    """A backward runs under the tile policy of its forward, on whatever thread autograd runs
+    it: use_policy holds on its own thread only, and autograd runs a CUDA backward on a thread
+    of its own. Here the backward runs on another Python thread, outside use_policy, and still
+    plans under the forward's policy."""
+    import threading
+
+    monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", "triton")
+    x = make_inputs(device=DEVICE, batch=1, dim=8, dstate=4, seqlen=16)
+    leaves = {k: v.detach().clone().requires_grad_(True) if k == "u" else v for k, v in x.items()}
+    policy = DEFAULT_POLICY.replace(sm_count=132)  # plans of its own
+    with use_policy(policy):
+        out = selective_scan_fn(**leaves)
+    backward = threading.Thread(target=out.sum().backward)
+    backward.start()
+    backward.join()
+    assert leaves["u"].grad is not None
+    keys = [key for key in plan._PLANS if key[0] is policy]
+    assert sorted(key[1] for key in keys) == [False, True]  # the forward's plan, the backward's

@@ -39,7 +39,7 @@ from ._checks import (
 from .conv import causal_conv1d_fn
 from .interface import scan_ops, selective_scan_fn
 from .kernels.launch import is_plain_eager
-from .ops import FORWARD_IMPLEMENTATIONS, run_backward
+from .ops import FORWARD_IMPLEMENTATIONS, forward_policy, run_backward
 
 
 def _keep_scan_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -163,6 +163,7 @@ class _EagerRegion(torch.autograd.Function):
         )
         ctx.save_for_backward(*args[:-2], checkpoints)
         ctx.options = args[-2:]
+        ctx.policy = forward_policy()
         return out
 
     @staticmethod
@@ -175,7 +176,8 @@ class _EagerRegion(torch.autograd.Function):
         with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
             u, delta, B, C = _scan_inputs(r)
         args = (dout, None, u, delta, r.A, B, C, r.D, r.z, r.delta_bias, None, None, checkpoints)
-        du, ddelta, dA, dB, dC, dD, dz, dbias, _ = run_backward(ctx.bwd_op, args, r.delta_softplus)
+        du, ddelta, dA, dB, dC, dD, dz, dbias, _ = run_backward(ctx.bwd_op, args, r.delta_softplus,
+                                                                ctx.policy)  # fmt: skip
         rerun = [(t, g) for t, g in ((u, du), (delta, ddelta), (B, dB), (C, dC))
                  if t.requires_grad]  # fmt: skip
         if rerun:  # into the leaves that the rerun ops (or a given B, C) came from

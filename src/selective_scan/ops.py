@@ -33,6 +33,11 @@ from ._checks import (
 from .kernels.launch import direct_call_ok
 from .scan_args import ScanArgs
 
+try:  # the Triton family's tile policy (kernels/tiles.py)
+    from .kernels.tiles import current_policy, run_with_policy
+except ImportError:  # no triton: no policy
+    current_policy = run_with_policy = None
+
 
 def fwd_fake(chunk: int):
     """Fake forward for a backend whose checkpoint interval is ``chunk`` steps."""
@@ -64,20 +69,30 @@ def bwd_fake(
     return tuple(u.new_empty((0,)) if t is None else t.new_empty(t.shape) for t in args.floats)
 
 
+def forward_policy():
+    """The tile policy in force for a forward (None without triton), which its backward takes
+    again (run_backward): ``use_policy`` holds on its own thread only, and autograd runs a CUDA
+    backward on a thread of its own, where the default policy would apply."""
+    return None if current_policy is None else current_policy()
+
+
 def _setup_context(ctx, inputs, output) -> None:
     *tensors, delta_softplus = inputs
     ctx.save_for_backward(*tensors, output[2])
     ctx.delta_softplus = delta_softplus
+    ctx.policy = forward_policy()
     ctx.set_materialize_grads(False)
 
 
-def run_backward(bwd_op, args: tuple, delta_softplus: bool) -> tuple:
-    """bwd_op(*args, delta_softplus), args its tensor arguments; its implementation
-    (BACKWARD_IMPLEMENTATIONS) is called instead where that is the same
-    (``kernels.launch.direct_call_ok``: an eager backward, nothing traced, no double backward),
-    which skips the dispatcher's host time (design §1.5)."""
+def run_backward(bwd_op, args: tuple, delta_softplus: bool, policy) -> tuple:
+    """bwd_op(*args, delta_softplus) under the forward's tile policy (forward_policy), args its
+    tensor arguments; its implementation (BACKWARD_IMPLEMENTATIONS) is called instead where that
+    is the same (``kernels.launch.direct_call_ok``: an eager backward, nothing traced, no double
+    backward), which skips the dispatcher's host time (design §1.5)."""
     run = BACKWARD_IMPLEMENTATIONS[bwd_op] if direct_call_ok(args) else bwd_op
-    return run(*args, delta_softplus)
+    if policy is None:
+        return run(*args, delta_softplus)
+    return run_with_policy(policy, run, *args, delta_softplus)
 
 
 def _make_backward(bwd_op):
@@ -89,7 +104,7 @@ def _make_backward(bwd_op):
         if dout is None:
             dout = torch.zeros_like(u)
         grads = run_backward(bwd_op, (dout, dlast_state, *inputs, checkpoints),
-                             ctx.delta_softplus)  # fmt: skip
+                             ctx.delta_softplus, ctx.policy)  # fmt: skip
         # Optional inputs that were None get None; cu_seqlens and delta_softplus get no gradient.
         grads = [None if t is None else g for g, t in zip(grads, inputs, strict=False)]
         return (*grads, None, None)

@@ -111,10 +111,21 @@ def current_policy() -> TilePolicy:
 
 @contextlib.contextmanager
 def use_policy(policy: TilePolicy) -> Iterator[TilePolicy]:
-    """Run the scan launchers with ``policy`` inside the block (this thread or task only)."""
+    """Run the scan launchers with ``policy`` inside the block (this thread or task only; the
+    backward of a forward run here takes its policy wherever autograd runs it)."""
     token = _ACTIVE.set(policy)
     try:
         yield policy
+    finally:
+        _ACTIVE.reset(token)
+
+
+def run_with_policy(policy: TilePolicy, fn, *args):
+    """fn(*args) with the launchers using ``policy``, as inside ``use_policy`` (without a
+    context manager's host time: an eager backward runs it, ops.run_backward)."""
+    token = _ACTIVE.set(policy)
+    try:
+        return fn(*args)
     finally:
         _ACTIVE.reset(token)
 
