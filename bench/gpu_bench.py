@@ -425,9 +425,7 @@ def compiled_lengths(shape: str = "S1", lengths: tuple[int, ...] = (2048, 2049, 
     check the alignment at run time and take the plain body where T does not divide the
     length). Also the largest error of the compiled output and du against eager's, and the
     graphs compiled (two a policy, with and without gradients, when no length recompiles).
-    Unlike fwd_bwd_step, the timed forward + backward leaves .grad set, so each step also adds
-    its gradients into the leaves' .grad: compare these figures with each other, not with
-    fwd_bwd_ms of bench_shape."""
+    The forward + backward is a training step as fwd_bwd_step times it, .grad reset first."""
     result = {}
     policies = {"padded": DEFAULT_POLICY, "unpadded": DEFAULT_POLICY.replace(pad_rows=False)}
     for name, policy in policies.items():
@@ -458,10 +456,41 @@ def _compiled_length(fn, shape: str, seqlen: int) -> dict:
     }
     return {
         "fwd_ms": do_bench(lambda: fn(**plain), warmup=25, rep=100, return_mode="median"),
-        "fwd_bwd_ms": do_bench(lambda: fn(**args).backward(dout), warmup=25, rep=100,
+        "fwd_bwd_ms": do_bench(lambda: fwd_bwd_step(fn, args, dout), warmup=25, rep=100,
                                return_mode="median"),
         **errors,
     }  # fmt: skip
+
+
+def keep_steps(shapes: tuple[str, ...] = ("S1", "S2", "S3", "S4", "S5", "S7")) -> dict:
+    """The backward's KEEP_STEPS on and off (tiles.bwd_tiles; scan_bwd.py): its kernels timed
+    alone (bwd_op, median ms) and the public function's forward + backward through autograd
+    (fwd_bwd_step), each shape in both settings in this process."""
+    result = {}
+    for shape in shapes:
+        result.update(_keep_steps_shape(shape))
+        torch.cuda.empty_cache()
+    return result
+
+
+def _keep_steps_shape(shape: str) -> dict:
+    """keep_steps' figures of one shape."""
+    sets = input_sets(shape)
+    leaves = [leaf_args(x) for x in sets]
+    douts = [torch.randn_like(x["u"]) for x in sets]
+    result = {}
+    for keep in (0, 1):
+        with use_policy(DEFAULT_POLICY.replace(bwd_overrides={"KEEP_STEPS": keep})):
+            ckpts = [fwd_op(x)[2] for x in sets]
+            result[f"{shape}_keep{keep}"] = {
+                "bwd_ms": time_rotating(lambda i, c=ckpts: bwd_op(sets[i], douts[i], c[i]),
+                                        len(sets)),
+                "fwd_bwd_ms": time_rotating(
+                    lambda i: fwd_bwd_step(selective_scan_fn, leaves[i], douts[i]), len(sets)
+                ),
+            }  # fmt: skip
+        print(shape, keep, json.dumps(result[f"{shape}_keep{keep}"]), file=sys.stderr, flush=True)
+    return result
 
 
 def determinism(shape: str = "S1") -> dict:
@@ -616,6 +645,7 @@ EXTRAS = {
     "compile_modes_S1": compile_modes,
     "compiled_lengths_S1": compiled_lengths,
     "determinism_S1": determinism,
+    "keep_steps": keep_steps,
     "cold_compile": cold_compile,
     "broadcast_dout_S1": broadcast_dout,
     "seqlen_sweep_S1": seqlen_sweep,
