@@ -10,6 +10,7 @@ grid runs on the real kernels in test_gpu.py and, parametrized by backend, on a 
 
 import itertools
 import math
+import threading
 import types
 from unittest import mock
 
@@ -1010,8 +1011,6 @@ def test_backward_takes_its_forwards_policy(monkeypatch):
     it: use_policy holds on its own thread only, and autograd runs a CUDA backward on a thread
     of its own. Here the backward runs on another Python thread, outside use_policy, and still
     plans under the forward's policy."""
-    import threading
-
     monkeypatch.setenv("SELECTIVE_SCAN_BACKEND", "triton")
     x = make_inputs(device=DEVICE, batch=1, dim=8, dstate=4, seqlen=16)
     leaves = {k: v.detach().clone().requires_grad_(True) if k == "u" else v for k, v in x.items()}
