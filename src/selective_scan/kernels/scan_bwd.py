@@ -3,9 +3,11 @@
 Same programs and tiles as the forward (scan_fwd.py). A program walks its sequence one
 checkpoint chunk (CKPT steps) at a time, last chunk first:
 
+0. With KEEP_STEPS, compute each tile's delta and softplus' once per (channel, step) and store
+   them in a small per-program scratch buffer; steps 1 and 2 load them instead of recomputing
+   them on each of a channel's state lanes.
 1. Recompute the states forward through the chunk from its checkpoint, saving the state that
-   enters each T-step tile in a small per-program scratch buffer (with KEEP_STEPS also the
-   tile's delta and softplus', which step 2 then loads instead of recomputing).
+   enters each T-step tile in the scratch.
 2. Walk the chunk's tiles backwards. Per tile and state: recompute h from the tile's entry state,
    run the adjoint recurrence dh_t = C_t dy_t + exp(delta_{t+1} A) dh_{t+1} in-thread (the carry
    from the later tile enters at the last step), and accumulate the gradients:
@@ -173,7 +175,7 @@ def _scan_bwd_kernel(
     grad_row = row_offset(batch, dim * rows, ch64, rows, T, ALIGNED)
     program = (seq64 * n_ranges + rng) * n_blocks + blk
     # Per tile of a chunk: the states entering it (BD * NP) and, with KEEP_STEPS, its delta and
-    # softplus' (BD * T each) for the tile walk, which then loads them instead of recomputing.
+    # softplus' (BD * T each), which the recompute and the tile walk load (step 0).
     TILE_SLOTS: tl.constexpr = BD * NP + 2 * BD * T * KEEP_STEPS
     scratch = scratch_ptr + (program * (CKPT // T)) * TILE_SLOTS
     scratch_tile = scratch + ch_local * NP + n  # [BD, NS, NI]
@@ -256,18 +258,33 @@ def _scan_bwd_kernel(
                         other=0.0).to(ACC)  # fmt: skip
         else:
             h = tl.zeros([BD, NS, NI], ACC)
+        if KEEP_STEPS:
+            # 0. Before the recompute, each tile's delta and softplus', once per (channel,
+            # step): these [BD, 1, T] tiles meet no state tile, so Triton spreads them over all
+            # lanes, where the recompute's and walk's layout repeats them on each of a
+            # channel's state lanes.
+            for t0 in tl.range(lo, hi, T, num_stages=STAGES):
+                slot = ((t0 - c * CKPT) // T) * TILE_SLOTS
+                t = t0 + t_idx
+                m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WHOLE)
+                dt, dsp = delta_tile(dt_row, t.to(tl.int64), s_dt, m, lm, bias, HAS_BIAS,
+                                     SOFTPLUS, ACC, FAST, WHOLE)  # fmt: skip
+                tl.store(scratch_steps + slot, dt)
+                if SOFTPLUS:
+                    tl.store(scratch_steps + slot + BD * T, dsp)
+            tl.debug_barrier()
         for t0 in tl.range(lo, hi, T, num_stages=STAGES):
             slot = ((t0 - c * CKPT) // T) * TILE_SLOTS
             tl.store(scratch_tile + slot, h)
             t = t0 + t_idx
             t64 = t.to(tl.int64)
             m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WHOLE)
-            dt, dsp, uu = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias, HAS_BIAS,
-                                       SOFTPLUS, ACC, FAST, WHOLE)  # fmt: skip
             if KEEP_STEPS:
-                tl.store(scratch_steps + slot, dt)
-                if SOFTPLUS:
-                    tl.store(scratch_steps + slot + BD * T, dsp)
+                dt = tl.load(scratch_steps + slot)
+                uu = time_tile(u_row, t64, s_ut, m, lm, ACC, WHOLE)
+            else:
+                dt, _, uu = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias, HAS_BIAS,
+                                         SOFTPLUS, ACC, FAST, WHOLE)  # fmt: skip
             dtu = dt * uu
             for i in tl.static_range(NI):
                 a = tl.math.exp2(dt * pick(A2, i_idx, i)[:, :, None])

@@ -212,9 +212,9 @@ def fwd_tiles(policy: TilePolicy, dim, dstate, dtype: torch.dtype, B: Tensor, C:
 def bwd_tiles(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor) -> dict:
     """Tiles of the backward (design §5, §9): one 16-byte vector of a 16-bit input a thread
     (T = 8, float32 too; 4 in float64), 4 lanes a channel, for any length: longer tiles or
-    fewer lanes spill. KEEP_STEPS for 16-bit inputs (the tile walk loads delta and softplus'
-    from the scratch), a 2-lane local pass, dB/dC partials in bfloat16 for bfloat16 B/C
-    (BF16_PARTS, see scan.bc_part_dtype), ranges cut FINER 4."""
+    fewer lanes spill. KEEP_STEPS for 16-bit inputs (delta and softplus' computed once a
+    channel and step, then loaded from the scratch), a 2-lane local pass, dB/dC partials in
+    bfloat16 for bfloat16 B/C (BF16_PARTS, see scan.bc_part_dtype), ranges cut FINER 4."""
     T = 8 if dtype.itemsize <= 4 else 4
     cfg = base_tiles(dim, dstate, B, C, T=T, NS=state_lanes(dstate, BWD, 4))
     return cfg | {"KEEP_STEPS": int(dtype.itemsize == 2), "FINER": 4, "BF16_PARTS": 1,
