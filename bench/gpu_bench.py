@@ -5,7 +5,8 @@
 For every shape: forward and backward kernel time (median of triton.testing.do_bench after
 warm-up; inputs rotated so that they never sit in L2), the fraction of the physical floor
 reached, peak memory of forward + backward, and the anchor ratios; the GPU time of the calls'
-kernels alone (profiler), and the public forward, eager and through torch.compile. Also: eager
+kernels alone (profiler), a training step's kernels one by one (eager and compiled), and the
+public forward, eager and through torch.compile. Also: eager
 call vs torch.compile vs CUDA-graph replay for the small shape, eager vs compiled with static
 and dynamic shapes (S1, forward and forward + backward), first-call compile time, determinism
 of the backward, the backward given an expanded dout, S6's training step with autograd's
@@ -117,6 +118,13 @@ def kernel_ms(fn, calls: int = 5) -> float:
     """GPU time per call summed over all kernels it launches (torch.profiler), without the
     host's share: what a CUDA-graph replay of the call would cost, launch gaps aside."""
     return sum(us for _, us in per_kernel_us(fn, calls)) / 1e3
+
+
+def step_kernels_us(step, calls: int = 3) -> list[list]:
+    """[kernel name, GPU us] of each launch of a training step ``step(0)``, in launch order:
+    where an eager and a compiled step's GPU time differ (the compiled backward's kernel takes
+    no register cap, design §18)."""
+    return [[name, round(us, 1)] for name, us in per_kernel_us(lambda: step(0), calls)]
 
 
 def _timed(spent: dict, name: str, fn):
@@ -257,6 +265,9 @@ def bench_shape(shape: str, seqlen=None, anchor_module=None) -> dict:
         fwd_bwd_b2b_ms=_timed(
             spent, "fwd_bwd_b2b", lambda: time_rotating(public_step, len(sets), BACK_TO_BACK)
         ),
+        fwd_bwd_kernels_us=_timed(
+            spent, "fwd_bwd_kernels", lambda: guarded(step_kernels_us, public_step)
+        ),
     )  # fmt: skip
     result.update(
         _timed(spent, "anchor", lambda: anchor_figures(anchor_module, sets, douts, leaves))
@@ -301,6 +312,7 @@ def compiled_figures(shape: str) -> dict:
     for suffix, calls in REPETITIONS.items():
         figures[f"fwd_compiled_{suffix}"] = guarded(time_rotating, fwd, len(sets), calls)
         figures[f"fwd_bwd_compiled_{suffix}"] = guarded(time_rotating, fwd_bwd, len(sets), calls)
+    figures["fwd_bwd_compiled_kernels_us"] = guarded(step_kernels_us, fwd_bwd)
     return figures
 
 
