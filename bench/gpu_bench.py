@@ -5,7 +5,7 @@
 For every shape: forward and backward kernel time (median of triton.testing.do_bench after
 warm-up; inputs rotated so that they never sit in L2), the fraction of the physical floor
 reached, peak memory of forward + backward, and the anchor ratios; the GPU time of the calls'
-kernels alone (profiler), a training step's kernels one by one (eager and compiled), and the
+kernels alone (profiler), a compiled call's and a training step's kernels one by one, and the
 public forward, eager and through torch.compile. Also: eager
 call vs torch.compile vs CUDA-graph replay for the small shape, eager vs compiled with static
 and dynamic shapes (S1, forward and forward + backward), first-call compile time, determinism
@@ -121,9 +121,9 @@ def kernel_ms(fn, calls: int = 5) -> float:
 
 
 def step_kernels_us(step, calls: int = 3) -> list[list]:
-    """[kernel name, GPU us] of each launch of a training step ``step(0)``, in launch order:
-    where an eager and a compiled step's GPU time differ (the compiled backward's kernel takes
-    no register cap, design §18)."""
+    """[kernel name, GPU us] of each launch of ``step(0)`` (a call or a training step), in
+    launch order: where an eager and a compiled call's GPU time differ (the compiled backward's
+    kernel takes no register cap, design §18)."""
     return [[name, round(us, 1)] for name, us in per_kernel_us(lambda: step(0), calls)]
 
 
@@ -312,6 +312,7 @@ def compiled_figures(shape: str) -> dict:
     for suffix, calls in REPETITIONS.items():
         figures[f"fwd_compiled_{suffix}"] = guarded(time_rotating, fwd, len(sets), calls)
         figures[f"fwd_bwd_compiled_{suffix}"] = guarded(time_rotating, fwd_bwd, len(sets), calls)
+    figures["fwd_compiled_kernels_us"] = guarded(step_kernels_us, fwd)
     figures["fwd_bwd_compiled_kernels_us"] = guarded(step_kernels_us, fwd_bwd)
     return figures
 
