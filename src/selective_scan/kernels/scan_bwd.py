@@ -55,12 +55,21 @@ from .common import (
 
 @triton.jit
 def _tile_inputs(
-    dt_row, u_row, t64, s_dt, s_ut, m, lm, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    ACC: tl.constexpr, FAST: tl.constexpr, WHOLE: tl.constexpr,
+    dt_row, u_row, t64, s_dt, s_ut, m, lm, bias, kept, HAS_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr, WHOLE: tl.constexpr,
+    KEPT: tl.constexpr, STEP_SLOTS: tl.constexpr,
 ):  # fmt: skip
     """(delta, d delta / d(delta input) = softplus' or unused, u) of one tile; delta = 0 outside
-    the sequence."""
-    dt, dsp = delta_tile(dt_row, t64, s_dt, m, lm, bias, HAS_BIAS, SOFTPLUS, ACC, FAST, WHOLE)
+    the sequence. With KEPT, delta and softplus' are loaded from ``kept``, where the kernel's
+    step 0 stored them (softplus' STEP_SLOTS after delta), instead of computed."""
+    if KEPT:
+        dt = tl.load(kept)
+        dsp = dt  # unused without softplus
+        if SOFTPLUS:
+            dsp = tl.load(kept + STEP_SLOTS)
+    else:
+        dt, dsp = delta_tile(dt_row, t64, s_dt, m, lm, bias, HAS_BIAS, SOFTPLUS, ACC, FAST,
+                             WHOLE)  # fmt: skip
     return dt, dsp, time_tile(u_row, t64, s_ut, m, lm, ACC, WHOLE)
 
 
@@ -218,8 +227,9 @@ def _scan_bwd_kernel(
             t = t0 + t_idx
             t64 = t.to(tl.int64)
             m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WHOLE)
-            dt, _, _ = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias, HAS_BIAS,
-                                    SOFTPLUS, ACC, FAST, WHOLE)  # fmt: skip
+            dt, _, _ = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias, scratch_steps,
+                                    HAS_BIAS, SOFTPLUS, ACC, FAST, WHOLE, False,
+                                    BD * T)  # fmt: skip
             dt_total += dt
             dy, _ = _dy_tile(dout_row, z_row, t64, s_ot, s_zt, m, lm, HAS_Z, ACC, FAST, WHOLE)
             # Only the gradient leaving the tile's start is needed here, a_0 dh_0 =
@@ -279,12 +289,9 @@ def _scan_bwd_kernel(
             t = t0 + t_idx
             t64 = t.to(tl.int64)
             m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WHOLE)
-            if KEEP_STEPS:
-                dt = tl.load(scratch_steps + slot)
-                uu = time_tile(u_row, t64, s_ut, m, lm, ACC, WHOLE)
-            else:
-                dt, _, uu = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias, HAS_BIAS,
-                                         SOFTPLUS, ACC, FAST, WHOLE)  # fmt: skip
+            dt, _, uu = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias,
+                                     scratch_steps + slot, HAS_BIAS, SOFTPLUS, ACC, FAST, WHOLE,
+                                     KEEP_STEPS, BD * T)  # fmt: skip
             dtu = dt * uu
             for i in tl.static_range(NI):
                 a = tl.math.exp2(dt * pick(A2, i_idx, i)[:, :, None])
@@ -302,15 +309,9 @@ def _scan_bwd_kernel(
             t = t0 + t_idx
             t64 = t.to(tl.int64)
             m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WHOLE)
-            if KEEP_STEPS:
-                dt = tl.load(scratch_steps + slot)
-                dsp = dt  # unused without softplus
-                if SOFTPLUS:
-                    dsp = tl.load(scratch_steps + slot + BD * T)
-                uu = time_tile(u_row, t64, s_ut, m, lm, ACC, WHOLE)
-            else:
-                dt, dsp, uu = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias,
-                                           HAS_BIAS, SOFTPLUS, ACC, FAST, WHOLE)  # fmt: skip
+            dt, dsp, uu = _tile_inputs(dt_row, u_row, t64, s_dt, s_ut, m, lm, bias,
+                                       scratch_steps + slot, HAS_BIAS, SOFTPLUS, ACC, FAST,
+                                       WHOLE, KEEP_STEPS, BD * T)  # fmt: skip
             dtu = dt * uu
             dy, dz_factor = _dy_tile(dout_row, z_row, t64, s_ot, s_zt, m, lm, HAS_Z, ACC, FAST,
                                      WHOLE)  # fmt: skip
