@@ -408,6 +408,46 @@ def test_reduce_overhead_training_step():
     assert recorded([n for ns in manager.roots.values() for n in ns]) >= 2  # forward, backward
 
 
+def test_compiled_backward_launches_as_eager():
+    """A compiled training step's backward makes the eager backward's launches (the backward op
+    is opaque to the compiler, ops.py), the one-wave register cap included (kernels/scan.py,
+    one_wave_cap), which Inductor's launches of a traced kernel cannot take. S1's size: 1536
+    backward programs, between 8 and 12 an SM on a 132-SM GPU. Launches are recorded on the
+    calling thread (a context variable; autograd's device thread would not see it)."""
+    from selective_scan.kernels.launch import recording
+    from selective_scan.kernels.plan import _device_sm_count
+    from selective_scan.kernels.scan_bwd import _scan_bwd_kernel
+
+    inputs = make_inputs(device="cuda", batch=8, dim=1536, dstate=16, seqlen=2048,
+                         dtype=torch.bfloat16)  # fmt: skip
+    names = float_inputs(inputs)
+    dout = torch.randn_like(inputs["u"])
+
+    def scan(leaves: dict) -> torch.Tensor:
+        return selective_scan_fn(**leaves, delta_softplus=True)
+
+    def step(fn) -> tuple[list, list]:
+        leaves = {k: v.detach().clone().requires_grad_(k in names) if torch.is_tensor(v) else v
+                  for k, v in inputs.items()}  # fmt: skip
+        out = fn(leaves)
+        with torch.autograd.set_multithreading_enabled(False), recording(launch=True) as rec:
+            out.backward(dout)
+        kept = [(grid, kw.get("maxnreg"), kw["LOCAL"]) for kernel, grid, kw, _ in rec
+                if kernel is _scan_bwd_kernel]  # fmt: skip
+        return kept, [leaves[k].grad for k in names]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(scan, fullgraph=True, dynamic=True)
+    step(compiled)  # compiles
+    launches, grads = step(compiled)
+    eager_launches, eager_grads = step(scan)
+    assert launches == eager_launches
+    if 8 * _device_sm_count(dout.device) < 1536 <= 12 * _device_sm_count(dout.device):
+        assert launches == [((1536, 1, 1), 168, False)]
+    for name, g, e in zip(names, grads, eager_grads, strict=True):
+        assert rel_err(g, e) < 1e-3, name
+
+
 def test_backward_with_unaligned_dout_rows():
     """264 steps get kernels declaring 16-byte rows (a multiple of T = 8, not of 16); a dout
     whose rows are not (a view of 265-step rows) is copied into aligned rows first: the same

@@ -4,9 +4,10 @@ Two families with identical schemas:
 
 * ``selective_scan::scan_fwd`` / ``scan_bwd``: the chunked PyTorch implementation (cpu.py). A
   ``custom_op``, opaque to the compiler; it runs on any device and is the CPU path.
-* ``selective_scan::scan_fwd_triton`` / ``scan_bwd_triton``: the Triton kernels (kernels/). A
-  ``triton_op``, so Inductor and AOTInductor compile the kernels into their generated code.
-  Registered only where triton imports.
+* ``selective_scan::scan_fwd_triton`` / ``scan_bwd_triton``: the Triton kernels (kernels/). The
+  forward is a ``triton_op``, so Inductor and AOTInductor compile its kernels into their
+  generated code; the backward a ``custom_op``, whose compiled calls run the eager launches
+  (design §1.1). Registered only where triton imports.
 
 Forward: (u, delta, A, B, C, D?, z?, delta_bias?, initial_state?, cu_seqlens?, delta_softplus)
 -> (out, last_state, checkpoints). Backward: (dout, dlast_state?, <the forward's tensor inputs>,
@@ -57,16 +58,20 @@ def fwd_fake(chunk: int):
     return fake
 
 
-def bwd_fake(
-    dout, dlast_state, u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens,
-    checkpoints, delta_softplus,
-):  # fmt: skip
-    """Fake backward of the PyTorch family (checkpoints every cpu.CHUNK steps)."""
-    args = ScanArgs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
-    check_scan_inputs(args)
-    sdt = state_dtype(A, compute_dtype(*args.floats))
-    check_scan_grads(dout, dlast_state, checkpoints, args, cpu.CHUNK, sdt)
-    return tuple(u.new_empty((0,)) if t is None else t.new_empty(t.shape) for t in args.floats)
+def bwd_fake(chunk: int):
+    """Fake backward for a backend whose forward checkpoints the state every ``chunk`` steps."""
+
+    def fake(
+        dout, dlast_state, u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens,
+        checkpoints, delta_softplus,
+    ):  # fmt: skip
+        args = ScanArgs(u, delta, A, B, C, D, z, delta_bias, initial_state, cu_seqlens)
+        check_scan_inputs(args)
+        sdt = state_dtype(A, compute_dtype(*args.floats))
+        check_scan_grads(dout, dlast_state, checkpoints, args, chunk, sdt)
+        return tuple(u.new_empty((0,)) if t is None else t.new_empty(t.shape) for t in args.floats)
+
+    return fake
 
 
 def forward_policy():
@@ -136,7 +141,7 @@ def _eager_function(fwd_impl, bwd_op) -> type[torch.autograd.Function]:
 scan_fwd = torch.library.custom_op("selective_scan::scan_fwd", cpu.scan_fwd, mutates_args=())
 scan_bwd = torch.library.custom_op("selective_scan::scan_bwd", cpu.scan_bwd, mutates_args=())
 scan_fwd.register_fake(fwd_fake(cpu.CHUNK))
-scan_bwd.register_fake(bwd_fake)
+scan_bwd.register_fake(bwd_fake(cpu.CHUNK))
 scan_fwd.register_autograd(_make_backward(scan_bwd), setup_context=_setup_context)
 # What eager calls that may skip the dispatcher run instead of each op (interface's
 # selective_scan_fn, the autograd backward): the op's own function, except the Triton backward's
@@ -156,9 +161,12 @@ def _register_triton():
     fwd = torch.library.triton_op(
         "selective_scan::scan_fwd_triton", triton_scan.scan_fwd, mutates_args=()
     )
-    bwd = torch.library.triton_op(
+    # The backward is opaque to the compiler (design §1.1): compiled training runs its eager
+    # launches, which take a register cap and replay that Inductor's launches do not.
+    bwd = torch.library.custom_op(
         "selective_scan::scan_bwd_triton", triton_scan.scan_bwd, mutates_args=()
     )
+    bwd.register_fake(bwd_fake(triton_scan.CKPT))
     fwd.register_autograd(_make_backward(bwd), setup_context=_setup_context)
     FORWARD_IMPLEMENTATIONS[fwd] = triton_scan.scan_fwd
     BACKWARD_IMPLEMENTATIONS[bwd] = triton_scan.scan_bwd_autograd

@@ -1,9 +1,10 @@
 """Launchers of the Triton scan kernels: the bodies of the ``*_triton`` ops.
 
 They only allocate outputs and launch kernels (through ``wrap_triton`` when traced, directly in
-plain eager calls; no data-dependent Python), so Inductor can trace them and compile the
-kernels into its generated code. The tiles come from the active tile policy
-(tiles.current_policy), the layout of the call from its plan (plan.py).
+plain eager calls; no data-dependent Python). The forward is a ``triton_op``: Inductor traces it
+and compiles its kernels into its generated code. The backward op is opaque to the compiler
+(ops.py), so its launcher only ever runs on real tensors. The tiles come from the active tile
+policy (tiles.current_policy), the layout of the call from its plan (plan.py).
 
 Memory: the forward saves nothing beyond its outputs; checkpoints hold the state every CKPT
 steps, batch * dim * (ceil(seqlen / CKPT) + 1) * dstate float32 (for CKPT = 128, dstate = 16
@@ -25,7 +26,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .._checks import check_cu_seqlens_values, check_scan_grads, checkpoint_slots
 from ..scan_args import ScanArgs
-from .common import cdiv, size_hint, sym_min
+from .common import cdiv, sym_min
 from .grad_sums import GRAD_SUM_ELEMENTS, _grad_sums_kernel
 from .launch import launch_kernel
 from .layout import bc_tiles, launch_bc_blocks, new_rows, restaged, staged, unpadded
@@ -157,10 +158,8 @@ def backward_align(p: ScanPlan, dout: Tensor) -> tuple[int, tuple]:
 
 def _fresh(t: Tensor, like: Tensor) -> Tensor:
     """t as a contiguous tensor of its own with like's shape and dtype (no aliasing, stable
-    strides): in eager calls t itself when it is one already, else a copy. Traced calls always
-    copy (Inductor fuses it): returning a kernel's buffer directly put a guard on the length
-    into the compiled backward (design §16)."""
-    own = not is_fake(t) and t._base is None and t.is_contiguous()
+    strides): t itself when it is one already, else a copy."""
+    own = t._base is None and t.is_contiguous()
     if own and t.shape == like.shape and t.dtype == like.dtype:
         return t
     out = like.new_empty(like.shape)
@@ -200,15 +199,13 @@ def backward_scratch(p: ScanPlan, args: ScanArgs) -> dict:
     return sizes
 
 
-def grad_sum_tile(p: ScanPlan, rows, M) -> int:
+def grad_sum_tile(p: ScanPlan, rows: int, M: int) -> int:
     """BM of a grad_sums job of `rows` rows of M sums: the widest of 1024, 256, 64, 16 giving it
     the policy's sum_programs programs. Fewer programs leave the GPU short of loads in flight;
     narrower tiles than needed cost more programs and masked loads (design §12). From the sizes
-    alone, not the device, so the order of the sums is the same everywhere; symbolic sizes by
-    their hints."""
-    rows, M = size_hint(rows), size_hint(M)
+    alone, not the device, so the order of the sums is the same everywhere."""
     for BM in (1024, 256, 64):
-        if rows is None or M is None or rows * cdiv(M, BM) >= p.policy.sum_programs:
+        if rows * cdiv(M, BM) >= p.policy.sum_programs:
             return BM
     return 16
 
@@ -264,7 +261,7 @@ def grad_sum_tensors(p: ScanPlan, args: ScanArgs, parts: dict) -> tuple[tuple, d
 def launch_grad_sums(p: ScanPlan, launchers, tensors: dict, args: ScanArgs) -> None:
     """The gradients of ``grad_sum_tensors`` from the backward kernel's partial sums, in one
     launch of kernels/grad_sums.py."""
-    if p.sums is None:  # traced calls build a fresh plan each time
+    if p.sums is None:  # the plan's first backward
         p.sums = grad_sums_launch(p, args.B, args.C, args.D, args.delta_bias)
     grid, scalars, options = p.sums
     launch_kernel(launchers, _grad_sums_kernel, grid, tensors, scalars, options,
