@@ -445,7 +445,13 @@ def compiled_lengths(shape: str = "S1", lengths: tuple[int, ...] = (2048, 2049, 
         torch._dynamo.reset()
         counters = torch._dynamo.utils.counters
         counters.clear()
-        with use_policy(policy), torch._inductor.config.patch(force_disable_caches=True):
+        # The backward on this thread: a compiled graph's backward op runs under the policy
+        # current where it runs (tiles.use_policy).
+        with (
+            use_policy(policy),
+            torch._inductor.config.patch(force_disable_caches=True),
+            torch.autograd.set_multithreading_enabled(False),
+        ):
             fn = torch.compile(_own_public_call(), dynamic=True, fullgraph=True)
             for L in lengths:
                 result[f"{name}_{L}"] = _compiled_length(fn, shape, L)

@@ -465,8 +465,8 @@ def test_backward_with_unaligned_dout_rows():
         assert torch.equal(a, b)
 
 
-# opcheck compares eager results with the op traced under symbolic sizes, whose kernels are
-# compiled anew (alignment checked at run time, other specializations): equal up to float32
+# opcheck compares eager results with the forward op traced under symbolic sizes, whose kernels
+# are compiled anew (alignment checked at run time, other specializations): equal up to float32
 # rounding, which in dA's sums over steps exceeded opcheck's default float32 tolerance on the
 # H200 (2.3e-5 relative at 300 steps; 296 failed it too). Accuracy is the oracle tests' job
 # (and test_compile_dynamic_no_recompile's); this checks the registration.
@@ -495,7 +495,7 @@ def test_opcheck_triton_ops(index):
 @torch._inductor.config.patch(force_disable_caches=True)
 def test_compile_dynamic_no_recompile():
     """New batches and lengths compile nothing again, but for the one guard on the length's
-    value (layout.padded): lengths 16 divides share a graph, and lengths 8 does not divide
+    value (layout.padded): lengths the forward's T = 16 divides share a graph, and the others
     (padded rows) share another."""
     from torch._dynamo.testing import CompileCounterWithBackend
 

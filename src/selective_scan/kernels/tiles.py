@@ -111,8 +111,11 @@ def current_policy() -> TilePolicy:
 
 @contextlib.contextmanager
 def use_policy(policy: TilePolicy) -> Iterator[TilePolicy]:
-    """Run the scan launchers with ``policy`` inside the block (this thread or task only; the
-    backward of a forward run here takes its policy wherever autograd runs it)."""
+    """Run the scan launchers with ``policy`` inside the block (this thread or task only). The
+    eager backward of a forward run here takes its policy wherever autograd runs it; a compiled
+    graph's backward op (opaque, ops.py) runs under the policy current where it runs, the
+    default on autograd's device thread: set it around ``.backward()`` on the calling thread
+    (``torch.autograd.set_multithreading_enabled(False)``)."""
     token = _ACTIVE.set(policy)
     try:
         yield policy
