@@ -122,8 +122,7 @@ def kernel_ms(fn, calls: int = 5) -> float:
 
 def step_kernels_us(step, calls: int = 3) -> list[list]:
     """[kernel name, GPU us] of each launch of ``step(0)`` (a call or a training step), in
-    launch order: where an eager and a compiled call's GPU time differ (the compiled backward's
-    kernel takes no register cap, design §18)."""
+    launch order: where an eager and a compiled call's GPU time differ (design §18)."""
     return [[name, round(us, 1)] for name, us in per_kernel_us(lambda: step(0), calls)]
 
 
