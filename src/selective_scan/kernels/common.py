@@ -126,11 +126,18 @@ def combine(a1, x1, a2, x2):
 
 
 @triton.jit
-def pick(tile, idx, i):
-    """tile[:, :, i] for a compile-time i, as [BD, NS]; idx is arange over the last axis.
+def negative_zeros_like(x):
+    """-0.0 in x's shape and type, the identity of addition that the compiler folds away
+    (x + -0.0 == x for every x; x + 0.0 is not x where x is -0.0, so it stays an add). A
+    literal -0.0 does not do: Triton stores any constant equal to zero as +0.0."""
+    return tl.zeros_like(x) * -1.0
 
-    Summing with -0.0 elsewhere is exact (x + -0.0 == x), so the compiler folds it away."""
-    return tl.sum(tl.where(idx == i, tile, -0.0), axis=2)
+
+@triton.jit
+def pick(tile, idx, i):
+    """tile[:, :, i] for a compile-time i, as [BD, NS]; idx is arange over the last axis. The
+    other elements are summed in as -0.0, which the compiler folds away."""
+    return tl.sum(tl.where(idx == i, tile, negative_zeros_like(tile)), axis=2)
 
 
 @triton.jit

@@ -51,6 +51,7 @@ from .common import (
     combine,
     delta_tile,
     load_states,
+    negative_zeros_like,
     pick,
     put,
     row_offset,
@@ -205,12 +206,13 @@ def _scan_fwd_kernel(
                 # Lane k keeps steps [k Q, (k + 1) Q) of its own copy: a select in registers,
                 # where the default reaches the [BD, 1, T] layout through shared memory.
                 Q: tl.constexpr = T // NS
-                out += tl.zeros([BD, NS, T], ACC)
+                out = tl.broadcast_to(out, [BD, NS, T])
                 if HAS_D:
                     out += Dv * uu
                 parts = tl.reshape(out, [BD, NS, NS, Q])  # [channel, lane, part, step]
                 part = tl.arange(0, NS)[None, None, :, None]
-                out = tl.sum(tl.where(lane[:, :, :, None] == part, parts, -0.0), axis=2)
+                mine = lane[:, :, :, None] == part
+                out = tl.sum(tl.where(mine, parts, negative_zeros_like(parts)), axis=2)
                 t_q = t0 + lane * Q + tl.arange(0, Q)[None, None, :]  # [1, NS, Q]
                 m_out, lm_out = tile_masks(row_ok, t_q, start, end, seqlen, T, WHOLE)
                 t_out = t_q.to(tl.int64)
