@@ -126,18 +126,18 @@ def combine(a1, x1, a2, x2):
 
 
 @triton.jit
-def negative_zeros_like(x):
-    """-0.0 in x's shape and type, the identity of addition that the compiler folds away
-    (x + -0.0 == x for every x; x + 0.0 is not x where x is -0.0, so it stays an add). A
-    literal -0.0 does not do: Triton stores any constant equal to zero as +0.0."""
-    return tl.zeros_like(x) * -1.0
+def masked_pick(x, mask, axis: tl.constexpr):
+    """x where mask holds along axis (once in each slice), that axis removed: a sum with -0.0
+    elsewhere, which the compiler folds away where the mask is known at compile time
+    (v + -0.0 is v for every v). -0.0 is made as 0.0 * -1.0: Triton stores a literal -0.0 as
+    +0.0, and v + 0.0 is not v for v = -0.0, so it would stay an add."""
+    return tl.sum(tl.where(mask, x, tl.zeros([], x.dtype) * -1.0), axis=axis)
 
 
 @triton.jit
 def pick(tile, idx, i):
-    """tile[:, :, i] for a compile-time i, as [BD, NS]; idx is arange over the last axis. The
-    other elements are summed in as -0.0, which the compiler folds away."""
-    return tl.sum(tl.where(idx == i, tile, negative_zeros_like(tile)), axis=2)
+    """tile[:, :, i] for a compile-time i, as [BD, NS]; idx is arange over the last axis."""
+    return masked_pick(tile, idx == i, 2)
 
 
 @triton.jit

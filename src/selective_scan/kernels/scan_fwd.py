@@ -51,7 +51,7 @@ from .common import (
     combine,
     delta_tile,
     load_states,
-    negative_zeros_like,
+    masked_pick,
     pick,
     put,
     row_offset,
@@ -211,8 +211,7 @@ def _scan_fwd_kernel(
                     out += Dv * uu
                 parts = tl.reshape(out, [BD, NS, NS, Q])  # [channel, lane, part, step]
                 part = tl.arange(0, NS)[None, None, :, None]
-                mine = lane[:, :, :, None] == part
-                out = tl.sum(tl.where(mine, parts, negative_zeros_like(parts)), axis=2)
+                out = masked_pick(parts, lane[:, :, :, None] == part, 2)
                 t_q = t0 + lane * Q + tl.arange(0, Q)[None, None, :]  # [1, NS, Q]
                 m_out, lm_out = tile_masks(row_ok, t_q, start, end, seqlen, T, WHOLE)
                 t_out = t_q.to(tl.int64)
