@@ -2,8 +2,9 @@
 arguments, or with "complex": true test_complex's complex_inputs arguments; dtype by name):
 prints one line per configuration, exits 1 if any failed. A configuration also fails when a
 kernel scans (tl.associative_scan, tl.cumsum) a tensor whose layout Triton got wrong on the
-H200 (see scan_layout_faults), and, with 16 states, when a tile kernel's PTX adds +0.0 (see
-ZERO_ADDITION).
+H200 (see scan_layout_faults), with 16 states, when a tile kernel's PTX adds +0.0 (see
+ZERO_ADDITION), and when a real kernel's recurrence multiplies its carried value before adding
+it (see multiplied_carries).
 
 Run by test_sm90_compile.py in a process of its own: the compiler needs the real @triton.jit
 kernels, and the test session decorates them for the interpreter (TRITON_INTERPRET=1).
@@ -32,6 +33,7 @@ SCAN = re.compile(r'"tt\.scan".*?axis = (\d+).*?\}\) : \(tensor<([\dx]+)x\w+, (#
 # +0.0 once a program, which costs nothing.
 ZERO_ADDITION = re.compile(r"\badd(?:\.rn)?\.f(?:32|64)\s+%\w+, %\w+, 0[fd]0+;")
 TILE_KERNELS = ("_scan_fwd_kernel", "_scan_bwd_kernel")
+FLOAT_OP = re.compile(r"^\s*(mul|fma)\.(?:rn\.)?f(?:32|64)\s+(%\w+),\s*([^;]+);", re.M)
 
 
 def scan_layout_faults(ttgir: str) -> list[str]:
@@ -63,6 +65,23 @@ def scan_layout_faults(ttgir: str) -> list[str]:
     return faults
 
 
+def multiplied_carries(ptx: str) -> int:
+    """Steps h' = fma(u, v, a * h) of a recurrence h' = a h + x with x = u v: two dependent
+    instructions a step where fma(a, h, x) takes one. LLVM contracts `a * h + u * v` either
+    way, and took this one in every scan until common.combine and reverse_recurrence called
+    tl.fma: the chains' latency doubled (design §3). Counts such steps that follow another."""
+    defs = {d: (op, [a.strip() for a in args.split(",")]) for op, d, args in FLOAT_OP.findall(ptx)}
+
+    def carry(reg):  # the h of reg = fma(u, v, a * h), h itself an fma; else None
+        op, args = defs.get(reg, ("", []))
+        product = defs.get(args[2]) if op == "fma" else None
+        if product and product[0] == "mul":
+            return next((h for h in product[1] if defs.get(h, ("",))[0] == "fma"), None)
+        return None
+
+    return sum(1 for reg in defs if (h := carry(reg)) is not None and carry(h) is not None)
+
+
 def complex_launches(case: dict) -> list[tuple]:
     """The launches of a forward and a backward of the complex kernels (kernels/complex_scan.py)
     on test_complex's inputs (complex_inputs arguments; dtype by name)."""
@@ -83,6 +102,7 @@ def compile_case(case: dict) -> list[str]:
     scan_layout_faults rejects."""
     case = dict(case)
     check_sums = case.get("dstate") == 16
+    real = not case.get("complex", False)  # complex steps multiply their carry by definition
     if case.pop("complex", False):
         launches = complex_launches(case)
     else:
@@ -97,6 +117,8 @@ def compile_case(case: dict) -> list[str]:
         ptx = compiled.asm["ptx"]
         if check_sums and kernel.__name__ in TILE_KERNELS and ZERO_ADDITION.search(ptx):
             faults.append(f"adds +0.0 {len(ZERO_ADDITION.findall(ptx))} times")
+        if real and (steps := multiplied_carries(ptx)):
+            faults.append(f"multiplies the carry before adding it in {steps} steps")
         if faults:
             raise AssertionError(f"{name}: {'; '.join(faults)}")
         names.append(name)

@@ -122,7 +122,7 @@ def block_channels(blk, dim, BD: tl.constexpr, BLOCK: tl.constexpr):
 @triton.jit
 def combine(a1, x1, a2, x2):
     """Compose two steps h -> a h + x (first (a1, x1), then (a2, x2))."""
-    return a1 * a2, a2 * x1 + x2
+    return a1 * a2, tl.fma(a2, x1, x2)
 
 
 @triton.jit
@@ -164,7 +164,7 @@ def reverse_recurrence(a, g, carry, t_idx, T: tl.constexpr):
     dh = put(tl.zeros_like(g), t_idx, T - 1, acc)
     for k in tl.static_range(T - 1):
         t = T - 2 - k
-        acc = pick(g, t_idx, t) + pick(a, t_idx, t + 1) * acc
+        acc = tl.fma(pick(a, t_idx, t + 1), acc, pick(g, t_idx, t))
         dh = put(dh, t_idx, t, acc)
     return dh
 
