@@ -121,7 +121,9 @@ def block_channels(blk, dim, BD: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def combine(a1, x1, a2, x2):
-    """Compose two steps h -> a h + x (first (a1, x1), then (a2, x2))."""
+    """Compose two steps h -> a h + x (first (a1, x1), then (a2, x2)). An explicit fma on the
+    carry x1: x2 is often a product (delta u B), and LLVM contracted a2 * x1 + u * v into
+    fma(u, v, a2 * x1), two dependent instructions a step on the chain (design §3)."""
     return a1 * a2, tl.fma(a2, x1, x2)
 
 
@@ -159,7 +161,8 @@ def shift_right(tile, first, t_idx, T: tl.constexpr):
 def reverse_recurrence(a, g, carry, t_idx, T: tl.constexpr):
     """dh[t] = g[t] + a[t+1] dh[t+1] along the in-thread time axis, last step first, where the
     term a[T] dh[T] from beyond the tile is `carry` ([BD, NS]). Written out step by step: Triton's
-    reverse associative_scan shuffles across lanes even when the axis lies in one thread."""
+    reverse associative_scan shuffles across lanes even when the axis lies in one thread. The
+    steps are fmas on the carry for the reason given in `combine` (g is dy C)."""
     acc = pick(g, t_idx, T - 1) + carry
     dh = put(tl.zeros_like(g), t_idx, T - 1, acc)
     for k in tl.static_range(T - 1):
