@@ -69,7 +69,7 @@ def multiplied_carries(ptx: str) -> int:
     """Steps h' = fma(u, v, a * h) of a recurrence h' = a h + x with x = u v: two dependent
     instructions a step where fma(a, h, x) takes one. LLVM contracts `a * h + u * v` either
     way, and took this one in every scan until common.combine and reverse_recurrence called
-    tl.fma: the chains' latency doubled (design §3). Counts such steps that follow another."""
+    tl.fma (design §3). Counts such steps that follow another."""
     defs = {d: (op, [a.strip() for a in args.split(",")]) for op, d, args in FLOAT_OP.findall(ptx)}
 
     def carry(reg):  # the h of reg = fma(u, v, a * h), h itself an fma; else None
