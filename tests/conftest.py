@@ -16,16 +16,20 @@ import pytest  # noqa: E402
 
 from selective_scan import ops  # noqa: E402
 
+if os.environ.get("TRITON_INTERPRET") == "1" and ops.HAS_TRITON:
+    import interpreter_speedups
+
+    interpreter_speedups.install()
+
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 # Triton kernels run on CUDA tensors, or under the interpreter on CPU tensors.
 TRITON_RUNS = ops.HAS_TRITON and (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1")
 BACKENDS = ["torch", "triton"] if TRITON_RUNS else ["torch"]
 
 
-# Under the interpreter every Triton program runs in Python: about 0.15 s per batch row and step
-# for a forward + backward at dim 8, dstate 4 (measured with the kernels of 2026-11-29), so the
-# grids take far longer there than on the torch backend. Those runs carry the "interpreter" mark:
-# `pytest -m "not interpreter"` runs the rest, `pytest -m interpreter` only them.
+# Under the interpreter every Triton program runs in Python, so the option grids take far longer
+# there than on the torch backend. Those runs carry the "interpreter" mark: `pytest -m "not
+# interpreter"` runs the rest, `pytest -m interpreter` only them.
 INTERPRETED = TRITON_RUNS and not HAS_CUDA
 
 
