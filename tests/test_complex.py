@@ -52,16 +52,20 @@ def test_reference_matches_loop(form_b, form_c):
     torch.testing.assert_close(last, want_last, rtol=1e-12, atol=1e-12)
 
 
-# One chunk, two, three (cpu.CHUNK 64); the kernels' three: test_kernels_match_the_torch_code.
-GRADCHECK_CASES = [(5, "torch"), (70, "torch"), (130, "torch"), (5, "triton"), (70, "triton")]
+# One chunk, two, three (cpu.CHUNK 64), whole Jacobians or by random projections (fast_mode);
+# the kernels' three chunks: test_kernels_match_the_torch_code.
+GRADCHECK_CASES = [(5, "torch", False), (70, "torch", False), (130, "torch", True),
+                   (5, "triton", True), (70, "triton", True)]  # fmt: skip
 
 
-@pytest.mark.parametrize(("seqlen", "backend"), [c for c in GRADCHECK_CASES if c[1] in BACKENDS],
+@pytest.mark.parametrize(("seqlen", "backend", "fast"),
+                         [c for c in GRADCHECK_CASES if c[1] in BACKENDS],
                          indirect=["backend"])  # fmt: skip
-def test_op_gradients_match_finite_differences(seqlen, backend):
+def test_op_gradients_match_finite_differences(seqlen, backend, fast):
     """The ops' backward for complex A against finite differences of the forward (gradcheck
-    checks both Wirtinger derivatives), through last_state and initial_state too. The kernels
-    by random projections (fast_mode): the interpreter runs a forward in tenths of a second."""
+    checks both Wirtinger derivatives), through last_state and initial_state too. Whole
+    Jacobians take a forward per input element: the kernels (the interpreter runs a forward in
+    tenths of a second) and the longest sequence go by random projections."""
     x = complex_inputs(batch=1, dim=2, dstate=2, seqlen=seqlen)
     names = ["u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state"]
     leaves = [x[k].detach().requires_grad_(True) for k in names]
@@ -70,7 +74,6 @@ def test_op_gradients_match_finite_differences(seqlen, backend):
         return selective_scan_fn(*tensors[:8], delta_softplus=True, return_last_state=True,
                                  initial_state=tensors[8])  # fmt: skip
 
-    fast = backend == "triton"
     assert torch.autograd.gradcheck(scan, leaves, atol=1e-6, rtol=1e-5, fast_mode=fast)
 
 
@@ -107,10 +110,10 @@ def test_kernels_match_the_torch_code_in_float32_and_bfloat16(monkeypatch):
     """float32 then bfloat16 inputs of one shape in one process (a launcher compiled for one
     dtype must not serve the other), channels-last u, delta and z, several blocks of channels,
     17 states (padded to 32), constant C and grouped B: the kernels against the PyTorch code,
-    both computing in float32."""
+    both computing in float32. One sequence (the interpreter runs a program at a time)."""
     if not TRITON_RUNS:
         pytest.skip("needs triton on a GPU or under the interpreter")
-    base = complex_inputs("grouped", "constant", dim=40, dstate=17, seqlen=70,
+    base = complex_inputs("grouped", "constant", batch=1, dim=40, dstate=17, seqlen=70,
                           dtype=torch.float32)  # fmt: skip
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
         x = dict(base)
