@@ -46,9 +46,14 @@ if python3 -c "import xdist" 2>/dev/null; then WORKERS=(-n "${TEST_WORKERS:-8}")
 
 STAGES="${STAGES:-smoke tests conformance bench host train decode varlen}"
 ANCHOR_BUILD=
-if [[ " $STAGES " == *" bench "* ]] && [ -d bench/anchor_src/csrc/selective_scan ]; then
-    (cd bench && python3 -c "import anchor; anchor.build()") > "$OUT_DIR/anchor_build.log" 2>&1 &
-    ANCHOR_BUILD=$!
+if [[ " $STAGES " == *" bench "* ]]; then
+    if [ -d bench/anchor_src/csrc/selective_scan ]; then
+        (cd bench && python3 -c "import anchor; anchor.build()") > "$OUT_DIR/anchor_build.log" 2>&1 &
+        ANCHOR_BUILD=$!
+    else  # git-ignored: a copied tree may lack it
+        echo "WARNING: no bench/anchor_src/csrc/selective_scan: the bench stage compares with the" \
+            "recorded anchor figures, not an anchor built here" | tee "$OUT_DIR/anchor_build.log"
+    fi
 fi
 
 failed=0
