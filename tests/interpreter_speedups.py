@@ -51,9 +51,14 @@ def _scan_by_slices(self, inputs):
     return [self.to_tensor(out, t) for out, t in zip(outs, dtypes, strict=True)]
 
 
-ORIGINAL_SCAN = interpreter.ScanOps.generic_scan
+# Written against Triton 3.6's interpreter (the version the tests pin); elsewhere nothing changes.
+APPLIES = hasattr(interpreter, "_patch_lang") and hasattr(
+    getattr(interpreter, "ScanOps", None), "generic_scan"
+)
+ORIGINAL_SCAN = interpreter.ScanOps.generic_scan if APPLIES else None
 
 
 def install() -> None:
-    interpreter._patch_lang = _patch_unless_patched(interpreter._patch_lang)
-    interpreter.ScanOps.generic_scan = _scan_by_slices
+    if APPLIES:
+        interpreter._patch_lang = _patch_unless_patched(interpreter._patch_lang)
+        interpreter.ScanOps.generic_scan = _scan_by_slices
