@@ -16,14 +16,14 @@ import pytest  # noqa: E402
 
 from selective_scan import ops  # noqa: E402
 
-if os.environ.get("TRITON_INTERPRET") == "1" and ops.HAS_TRITON:
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+INTERPRETER_ON = ops.HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRETER_ON:
     import interpreter_speedups
 
     interpreter_speedups.install()
-
-DEVICE = "cuda" if HAS_CUDA else "cpu"
 # Triton kernels run on CUDA tensors, or under the interpreter on CPU tensors.
-TRITON_RUNS = ops.HAS_TRITON and (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1")
+TRITON_RUNS = (ops.HAS_TRITON and HAS_CUDA) or INTERPRETER_ON
 BACKENDS = ["torch", "triton"] if TRITON_RUNS else ["torch"]
 
 

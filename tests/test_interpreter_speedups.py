@@ -1,18 +1,16 @@
 """interpreter_speedups.py's scan against the interpreter's own, element by element."""
 
-import os
-
 import pytest
 import torch
+from conftest import INTERPRETER_ON
 
+pytestmark = pytest.mark.skipif(not INTERPRETER_ON, reason="needs the Triton interpreter")
 triton = pytest.importorskip("triton")
+import interpreter_speedups  # noqa: E402
 import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
 
 from selective_scan.kernels.common import combine  # noqa: E402
-
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter"
-)
 
 
 @triton.jit
@@ -28,9 +26,6 @@ def _scan_kernel(a_ptr, x_ptr, out_ptr, M: tl.constexpr, N: tl.constexpr, AXIS: 
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_scan_by_slices_matches_the_interpreters_scan(axis, reverse, dtype):
-    import interpreter_speedups
-    from triton.runtime import interpreter
-
     assert interpreter_speedups.APPLIES, "the speed-ups no longer apply to this Triton"
     gen = torch.Generator().manual_seed(axis + 2 * reverse)
     a, x = (torch.randn(4, 8, generator=gen, dtype=dtype) for _ in range(2))
