@@ -670,6 +670,18 @@ EXTRAS = {
 }
 
 
+def resumed(path: str) -> dict:
+    """The results of an earlier run of this commit on this device, to complete (--resume):
+    the figures of one run may take more than one call of a time-limited machine."""
+    results = json.loads(Path(path).read_text())
+    here = (git_commit(), torch.cuda.get_device_name(), torch.__version__)
+    there = (results["commit"], results["device"], results["torch"])
+    if here != there:
+        sys.exit(f"--resume: {path} holds a run of {there}, not of {here}")
+    results["calls"] = results.get("calls", 1) + 1
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
@@ -694,6 +706,11 @@ def main() -> None:
         "--table", metavar="RESULTS",
         help="print the README's markdown table from a results file (h200.json), run nothing",
     )  # fmt: skip
+    parser.add_argument(
+        "--resume", metavar="RESULTS",
+        help="continue a run of this commit cut by a time limit: start from its results file "
+        "and run only the figures it lacks (shapes, compiled figures, extras)",
+    )  # fmt: skip
     parser.add_argument("--cold-call", help=argparse.SUPPRESS)  # cold_compile's processes
     args = parser.parse_args()
     if args.table:
@@ -712,7 +729,7 @@ def main() -> None:
     compiled = set((args.shapes if args.compiled is None else args.compiled).split(","))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = {
+    fresh = {
         "device": torch.cuda.get_device_name(),
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
@@ -724,17 +741,22 @@ def main() -> None:
         f"per call of {BACK_TO_BACK} calls queued back to back a repetition (time_rotating)",
         "shapes": {},
     }
+    results = resumed(args.resume) if args.resume else fresh
 
     def save() -> None:  # after every result: a run cut by its time limit keeps what it measured
         (out_dir / "h200.json").write_text(json.dumps(results, indent=1))
 
-    anchor_module = None if args.no_anchor else guarded(anchor.build)
-    results["anchor"] = "built in this process" if anchor_module else "recorded figures"
+    shapes = list(filter(None, args.shapes.split(",")))
+    done = {s for s, figures in results["shapes"].items() if "error" not in figures}
+    anchor_module = None
+    if not args.no_anchor and not done.issuperset(shapes):
+        anchor_module = guarded(anchor.build)
+    if not done:
+        results["anchor"] = "built in this process" if anchor_module else "recorded figures"
     # Every eager figure before the first compile: a compile's worker processes outlive it
     # (eager host time would share the CPU with them), and a run cut by its time limit keeps
     # the eager figures of every shape.
-    shapes = list(filter(None, args.shapes.split(",")))
-    for shape in shapes:
+    for shape in filter(lambda s: s not in done, shapes):
         try:
             results["shapes"][shape] = bench_shape(shape, anchor_module=anchor_module)
         except Exception as e:  # keep the other shapes' numbers
@@ -742,13 +764,15 @@ def main() -> None:
         print(shape, json.dumps(results["shapes"][shape]), flush=True)
         save()
     for shape in filter(compiled.__contains__, shapes):
+        if "fwd_compiled_ms" in results["shapes"][shape]:  # resumed
+            continue
         figures = guarded(compiled_figures, shape)
         if "error" in figures:  # the shape's own "error" means its eager figures failed
             figures = {"compiled_error": figures["error"]}
         results["shapes"][shape].update(figures)
         print(shape, "compiled", json.dumps(figures), flush=True)
         save()
-    for name in filter(None, args.extras.split(",")):
+    for name in filter(lambda n: n and n not in results, args.extras.split(",")):
         try:
             results[name] = EXTRAS[name]()
         except Exception as e:
