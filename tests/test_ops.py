@@ -6,7 +6,6 @@ import sys
 
 import pytest
 import torch
-from conftest import DEVICE, TRITON_RUNS
 from helpers import SCAN_INPUTS, RecordOps, make_inputs
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -269,26 +268,6 @@ def test_eager_backward_skips_the_op(backend, monkeypatch, optional):
     assert len(calls) == 1 and bwd_op._opoverload in mode.ops
     for a, b in zip(direct, via_op, strict=True):
         assert torch.equal(a, b)
-
-
-@pytest.mark.skipif(not ops.HAS_TRITON, reason="the Triton family needs triton")
-@pytest.mark.parametrize(("compiling", "exporting"), [(False, False), (True, False), (True, True)])
-def test_compile_takes_the_opaque_triton_forward(monkeypatch, compiling, exporting):
-    """torch.compile graphs call the Triton forward as an opaque op (its eager launches); export
-    and every other caller the traced one, whose kernels AOTInductor compiles. Both forwards
-    share the backward, fake and autograd. (On CUDA: test_gpu.py's compiled-step test.)"""
-    monkeypatch.setattr("selective_scan.interface.use_triton", lambda u: True)
-    monkeypatch.setattr("torch.compiler.is_compiling", lambda: compiling)
-    monkeypatch.setattr("torch.compiler.is_exporting", lambda: exporting)
-    fwd, bwd = scan_ops(torch.zeros(1))
-    traced, opaque = ops.triton_ops()[0], ops.triton_ops(traced=False)[0]
-    assert fwd is (opaque if compiling and not exporting else traced)
-    assert bwd is ops.triton_ops()[1] and opaque is not traced
-    assert ops.FORWARD_IMPLEMENTATIONS[opaque] is ops.FORWARD_IMPLEMENTATIONS[traced]
-    if TRITON_RUNS:  # the opaque op's own fake against its kernels' outputs
-        x = make_inputs(device=DEVICE, seqlen=33, initial_state=True)
-        args = [x.get(k) for k in SCAN_INPUTS]
-        assert_same_layout(run_fake(opaque, (*args, True)), opaque(*args, True))
 
 
 def test_package_works_without_triton():

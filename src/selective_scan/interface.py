@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 from torch import Tensor
 
 from . import ops
@@ -42,12 +41,10 @@ def use_triton(u: Tensor) -> bool:
 def scan_ops(u: Tensor, A: Tensor | None = None):
     """(forward op, backward op) of the backend chosen for ``u``; the PyTorch ops for complex
     ``A`` on every device (the Triton ops are real-valued; the PyTorch ops run complex kernels
-    of their own on the Triton backend, complex_scan.py). Under torch.compile, but not export,
-    the Triton forward is the opaque one (ops.triton_ops, design §1.1)."""
+    of their own on the Triton backend, complex_scan.py)."""
     complex_a = isinstance(A, Tensor) and A.is_complex()
     if not complex_a and use_triton(u):
-        compiling = torch.compiler.is_compiling() and not torch.compiler.is_exporting()
-        return ops.triton_ops(traced=not compiling)
+        return ops.triton_ops()
     return ops.scan_fwd, ops.scan_bwd
 
 

@@ -5,11 +5,9 @@ Two families with identical schemas:
 * ``selective_scan::scan_fwd`` / ``scan_bwd``: the chunked PyTorch implementation (cpu.py). A
   ``custom_op``, opaque to the compiler; it runs on any device and is the CPU path.
 * ``selective_scan::scan_fwd_triton`` / ``scan_bwd_triton``: the Triton kernels (kernels/). The
-  forward is a ``triton_op``, so that torch.export programs hold the op and AOTInductor compiles
-  its kernels into its generated code; the backward a ``custom_op``, whose compiled calls run the
-  eager launches (design §1.1). ``scan_fwd_triton_opaque`` is the same forward as a
-  ``custom_op``: what torch.compile graphs call, for the eager launches' host time. Registered
-  only where triton imports.
+  forward is a ``triton_op``, so Inductor and AOTInductor compile its kernels into their
+  generated code; the backward a ``custom_op``, whose compiled calls run the eager launches
+  (design §1.1). Registered only where triton imports.
 
 Forward: (u, delta, A, B, C, D?, z?, delta_bias?, initial_state?, cu_seqlens?, delta_softplus)
 -> (out, last_state, checkpoints). Backward: (dout, dlast_state?, <the forward's tensor inputs>,
@@ -169,33 +167,22 @@ def _register_triton():
         "selective_scan::scan_bwd_triton", triton_scan.scan_bwd, mutates_args=()
     )
     bwd.register_fake(bwd_fake(triton_scan.CKPT))
-    # The forward as torch.compile graphs call it (design §1.1): opaque, so that a compiled call
-    # runs the eager launches, where Inductor's wrapper evaluates each traced launch's symbolic
-    # arguments in Python and makes the launches of every length's layout.
-    opaque = torch.library.custom_op(
-        "selective_scan::scan_fwd_triton_opaque", triton_scan.scan_fwd, mutates_args=()
-    )
-    opaque.register_fake(fwd_fake(triton_scan.CKPT))
-    for forward in (fwd, opaque):
-        forward.register_autograd(_make_backward(bwd), setup_context=_setup_context)
-        FORWARD_IMPLEMENTATIONS[forward] = triton_scan.scan_fwd
-        EAGER_FUNCTIONS[forward] = _eager_function(triton_scan.scan_fwd, bwd)
+    fwd.register_autograd(_make_backward(bwd), setup_context=_setup_context)
+    FORWARD_IMPLEMENTATIONS[fwd] = triton_scan.scan_fwd
     BACKWARD_IMPLEMENTATIONS[bwd] = triton_scan.scan_bwd_autograd
-    return fwd, bwd, opaque
+    EAGER_FUNCTIONS[fwd] = _eager_function(triton_scan.scan_fwd, bwd)
+    return fwd, bwd
 
 
 _triton_ops = _register_triton()
 HAS_TRITON = _triton_ops is not None
 
 
-def triton_ops(traced: bool = True) -> tuple:
-    """(forward, backward) of the Triton family: scan_fwd_triton (traced by export), or with
-    ``traced=False`` scan_fwd_triton_opaque (opaque to torch.compile), and scan_bwd_triton.
-    Raises where triton is not installed."""
+def triton_ops() -> tuple:
+    """(scan_fwd_triton, scan_bwd_triton); raises where triton is not installed."""
     if _triton_ops is None:
         raise RuntimeError(
             "selective_scan: the triton backend needs the 'triton' package (it ships with CUDA "
             "builds of torch); install it or set SELECTIVE_SCAN_BACKEND=torch"
         )
-    fwd, bwd, opaque = _triton_ops
-    return (fwd if traced else opaque), bwd
+    return _triton_ops

@@ -202,7 +202,7 @@ def register_sharding_rules() -> None:
         [lib.state_update.default],
     )
     if ops.HAS_TRITON:
-        fwd_ops += [lib.scan_fwd_triton.default, lib.scan_fwd_triton_opaque.default]
+        fwd_ops.append(lib.scan_fwd_triton.default)
         bwd_ops.append(lib.scan_bwd_triton.default)
     if state_update.state_update_triton is not None:
         update_ops.append(lib.state_update_triton.default)
