@@ -1,6 +1,7 @@
 """GPU benchmark of the Triton selective scan against the anchor figures (H200).
 
     python bench/gpu_bench.py --out $OUT [--shapes S1,S7] [--extras seqlen_sweep_S1]
+        [--resume RESULTS]   (complete a run that a time limit cut, from its h200.json)
 
 For every shape: forward and backward kernel time (median of triton.testing.do_bench after
 warm-up; inputs rotated so that they never sit in L2), the fraction of the physical floor

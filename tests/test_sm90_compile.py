@@ -56,7 +56,11 @@ def test_kernels_compile_for_sm90():
         subprocess.Popen([*command, json.dumps(CASES[i::2])], env=env, cwd=tests_dir, **pipes)
         for i in range(2)
     ]
-    outputs = [p.communicate(timeout=600) for p in processes]
+    try:
+        outputs = [p.communicate(timeout=600) for p in processes]
+    finally:  # none left running after a timeout
+        for p in processes:
+            p.kill()
     stdout = "".join(out for out, _ in outputs)
     report = stdout + "".join(err[-1500:] for _, err in outputs)
     assert [p.returncode for p in processes] == [0, 0], report
