@@ -410,8 +410,8 @@ def test_reduce_overhead_training_step():
 
 def test_compiled_backward_launches_as_eager():
     """A compiled training step's backward makes the eager backward's launches (the backward op
-    is opaque to the compiler, ops.py), the one-wave register cap included (kernels/scan.py,
-    one_wave_cap), which Inductor's launches of a traced kernel cannot take. S1's size: 1536
+    is opaque to the compiler, ops.py), the register cap included (kernels/scan.py, wave_cap),
+    which Inductor's launches of a traced kernel cannot take. S1's size: 1536
     backward programs, between 8 and 12 an SM on a 132-SM GPU. Launches are recorded on the
     calling thread (a context variable; autograd's device thread would not see it)."""
     from selective_scan.kernels.launch import recording

@@ -721,20 +721,23 @@ def test_many_states_split_over_lanes(dstate):
     [
         (1536, 8, 16, True, True),  # S1, S4: 1.45 waves of 8 per SM -> one wave of 12
         (1056, 8, 16, True, False),  # one wave of 8 already
-        (2048, 8, 16, True, False),  # S2: more than a wave of 12
+        (2048, 8, 16, True, False),  # S2: 1.94 waves of 8, 1.29 of 12: two either way
+        (4096, 8, 16, True, True),  # S5: 3.88 waves of 8 -> 2.59 of 12
+        (2112, 8, 16, True, False),  # 16 programs an SM: two waves either way
+        (5120, 8, 16, True, True),  # S7: 4.85 waves of 8 -> 3.23 of 12
         (1536, 4, 16, True, False),  # float64 tiles: not the kernel measured
         (1536, 8, 8, True, False),  # 8 padded states: not the kernel measured
         (1536, 8, 16, False, False),  # traced: wrap_triton takes no cap
     ],
 )
-def test_one_wave_cap(programs, T, NP, eager, capped):
-    """The backward's register cap (eager launches on the GPU) only where it turns the grid of
-    one-warp programs into one wave of 12 per SM (kernels/scan.py, one_wave_cap)."""
+def test_wave_cap(programs, T, NP, eager, capped):
+    """The backward's register cap (eager launches on the GPU) only where it fits the grid of
+    one-warp programs into fewer waves of 12 per SM than of 8 (kernels/scan.py, wave_cap)."""
     p = types.SimpleNamespace(cfg=dict(T=T), NP=NP, n_blocks=programs // 8, num_states=8,
                               n_ranges=1, policy=DEFAULT_POLICY.replace(sm_count=132))  # fmt: skip
     u = types.SimpleNamespace(is_cuda=True, device="cuda:0")
     launchers = {} if eager else None  # the call's (see ScanPlan.direct)
-    assert scan.one_wave_cap(p, u, launchers) == ({"maxnreg": 168} if capped else {})
+    assert scan.wave_cap(p, u, launchers) == ({"maxnreg": 168} if capped else {})
 
 
 @pytest.mark.parametrize(

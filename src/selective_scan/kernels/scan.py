@@ -135,17 +135,19 @@ def launch_fwd(args: ScanArgs, policy: TilePolicy) -> tuple[Tensor, Tensor, Tens
     return unpadded(out, p.layout), last, ckpt
 
 
-def one_wave_cap(p: ScanPlan, u: Tensor, launchers) -> dict:
-    """A register cap for the backward's full launch in an eager call on a GPU, where it turns
-    that launch's grid into one wave: the usual backward kernel (T = 8, 16 padded states) takes
-    255 registers, 8 one-warp programs an SM; capped at 168, 12. Only for grids of one to 1.5
-    waves of 8: on fuller grids the cap's spills cost more than the occupancy gains (design §9).
-    Only for direct launches: wrap_triton takes no register cap."""
+def wave_cap(p: ScanPlan, u: Tensor, launchers) -> dict:
+    """A register cap for the backward's full launch in an eager call on a GPU, where it fits
+    the grid into fewer waves: the usual backward kernel (T = 8, 16 padded states) takes 254
+    registers, 8 one-warp programs an SM; capped at 168 (16 bytes of stack), 12. A wave of 12
+    takes longer than one of 8 (S2: two of each, 1.60 against 1.38 ms), so only a grid that
+    needs fewer of them gains (S1's 1.45 waves of 8 become one, S5's 3.9 three: 1.35 against
+    1.40 ms; S7's 4.9 four: equal; design §9). Only for direct launches: wrap_triton takes no
+    register cap."""
     if launchers is None or "maxnreg" in p.cfg or (p.cfg["T"], p.NP) != (8, 16):
         return {}
     sms = sm_count(p.policy, u.device)
     programs = p.n_blocks * p.num_states * p.n_ranges
-    return {"maxnreg": 168} if 8 * sms < programs <= 12 * sms else {}
+    return {"maxnreg": 168} if cdiv(programs, 12 * sms) < cdiv(programs, 8 * sms) else {}
 
 
 def backward_align(p: ScanPlan, dout: Tensor) -> tuple[int, tuple]:
@@ -342,7 +344,7 @@ def launch_bwd(dout: Tensor, dlast_state: Tensor | None, args: ScanArgs, checkpo
                        s_lb=s_lb, s_ld=s_ld, s_ln=s_ln, s_kb=s_kb, s_kd=s_kd,
                        s_kc=s_kc)  # fmt: skip
         align, align_sizes = backward_align(p, dout)
-        cap = one_wave_cap(p, u, launchers)
+        cap = wave_cap(p, u, launchers)
         for local, grid, tiles in p.launches():
             # The cap is the full pass's (its grid, its kernel); the local pass is smaller.
             flags = dict(SOFTPLUS=args.delta_softplus, HAS_DLAST=dlast_state is not None,
