@@ -448,6 +448,39 @@ def test_compiled_backward_launches_as_eager():
         assert rel_err(g, e) < 1e-3, name
 
 
+def test_wave_cap_changes_no_bit():
+    """The backward's register cap (kernels/scan.py, wave_cap) changes how the kernel is
+    compiled, not what it computes: S5's grid (4096 programs, capped on GPUs of 132 SMs; 16
+    bfloat16 sequences of 1024 steps, 2048 channels, B in 4 groups) gives the same gradients
+    bit for bit capped and uncapped (a policy claiming enough SMs for one wave of 8)."""
+    from selective_scan.kernels import scan
+    from selective_scan.kernels.launch import recording
+    from selective_scan.kernels.plan import _device_sm_count
+    from selective_scan.kernels.scan_bwd import _scan_bwd_kernel
+    from selective_scan.kernels.tiles import DEFAULT_POLICY, use_policy
+
+    inputs = make_inputs(device="cuda", batch=16, dim=2048, dstate=16, seqlen=1024,
+                         dtype=torch.bfloat16, b_form="grouped", groups=4)  # fmt: skip
+    args = [inputs[k] for k in SCAN_INPUTS]
+    checkpoints = scan.scan_fwd(*args, True)[2]
+    dout = torch.randn_like(inputs["u"])
+
+    def backward(policy) -> tuple[list, tuple]:
+        with use_policy(policy), recording(launch=True) as rec:
+            grads = scan.scan_bwd(dout, None, *args, checkpoints, True)
+        caps = [kw.get("maxnreg") for kernel, _, kw, _ in rec if kernel is _scan_bwd_kernel]
+        return caps, grads
+
+    sms = _device_sm_count(dout.device)
+    capped, grads = backward(DEFAULT_POLICY)
+    uncapped, plain = backward(DEFAULT_POLICY.replace(sm_count=4096 // 8))
+    assert uncapped == [None]
+    assert capped == [168 if -(-4096 // (12 * sms)) < -(-4096 // (8 * sms)) else None]
+    for name, g, p in zip(("du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias"), grads,
+                          plain, strict=False):  # fmt: skip
+        assert torch.equal(g, p), name
+
+
 def test_backward_with_unaligned_dout_rows():
     """264 steps get kernels declaring 16-byte rows (a multiple of T = 8, not of 16); a dout
     whose rows are not (a view of 265-step rows) is copied into aligned rows first: the same
