@@ -1,0 +1,237 @@
+"""Hardware counters of every kernel of a training step, ours and the anchor's (Nsight Compute).
+
+    python bench/ncu_profile.py [--shapes S1,S2,...] [--anchor S1,S8] [--out FILE] [--reports DIR]
+
+Per shape, a child process runs the public function's forward and backward through autograd
+(as gpu_bench.py's `fwd_bwd_ms`), or at the --anchor shapes mamba's `fwd` and `bwd` on the same
+inputs (bench/anchor.py builds it), twice to warm up and once under `ncu --clock-control none`
+(the profiled range opened and closed around that one step with cudaProfilerStart/Stop). Every
+kernel in the range is profiled, each replayed for its sections: SpeedOfLight,
+ComputeWorkloadAnalysis, MemoryWorkloadAnalysis (and its tables), LaunchStats, Occupancy,
+SchedulerStats, WarpStateStats, InstructionStats. Kept per kernel: time, registers, grid, waves,
+occupancy, issue activity, warp instructions, executed SASS instructions per opcode (MUFU: the
+exponentials and other special functions), DRAM bytes, pipe and unit utilisation,
+shared-memory bank conflicts, and warp stall reasons in cycles per issued instruction
+(`stalls`). The .ncu-rep reports go to --reports when given. Kernel replay times each kernel
+alone with cold caches (ncu's default cache control), so `time_us` is a little above what the
+same kernel takes in a running step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import anchor
+from report import environment, git_commit
+from shapes import SHAPES, make_bench_inputs
+
+SECTIONS = (
+    "SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
+    "MemoryWorkloadAnalysis_Tables", "LaunchStats", "Occupancy", "SchedulerStats",
+    "WarpStateStats", "InstructionStats",
+)  # fmt: skip
+# Counters the sections may not collect; dropped (with a note in the results) if ncu rejects one.
+EXTRA_METRICS = (
+    "smsp__inst_executed_pipe_xu.sum",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum",
+)
+# summary key: raw metric name
+NAMED = {
+    "time_us": "gpu__time_duration.sum",
+    "sm_clock_ghz": "smsp__cycles_elapsed.avg.per_second",
+    "registers": "launch__registers_per_thread",
+    "grid": "launch__grid_size",
+    "block": "launch__block_size",
+    "waves": "launch__waves_per_multiprocessor",
+    "shared_bytes_per_block": "launch__shared_mem_per_block",
+    "theoretical_occupancy_pct": "sm__maximum_warps_per_active_cycle_pct",
+    "achieved_occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "warps_active_per_scheduler": "smsp__warps_active.avg.per_cycle_active",
+    "warps_eligible_per_scheduler": "smsp__warps_eligible.avg.per_cycle_active",
+    "issue_active_pct": "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    "warp_instructions": "smsp__inst_executed.sum",
+    "xu_warp_instructions": "smsp__inst_executed_pipe_xu.sum",
+    "sm_throughput_pct": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+    "l1tex_throughput_pct": "l1tex__throughput.avg.pct_of_peak_sustained_active",
+    "l2_throughput_pct": "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram_throughput_pct": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram_read_bytes": "dram__bytes_read.sum",
+    "dram_write_bytes": "dram__bytes_write.sum",
+}
+# summary key: pattern over raw metric names; the first group names the entry
+PEAK = r"\.avg\.pct_of_peak_sustained_active$"
+GROUPS = {
+    "pipe_pct": re.compile(r"sm__inst_executed_pipe_(\w+)" + PEAK),
+    "pipe_cycles_pct": re.compile(r"sm__pipe_(\w+)_cycles_active" + PEAK),
+    "stalls": re.compile(r"smsp__average_(warps?_(?:latency_)?issue_stalled_\w+)\.ratio$"),
+    "shared_memory": re.compile(
+        r"(l1tex__data_(?:bank_conflicts|pipe_lsu_wavefronts)_\w*shared\w*\.sum)$"
+    ),
+}
+OPCODES = "sass__inst_executed_per_opcode"
+UNIT_SCALE = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "nsecond": 1e-3, "msecond": 1e3, "ms": 1e3,
+              "byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12,
+              "hz": 1e-9, "Khz": 1e-6, "Mhz": 1e-3, "Ghz": 1.0, "cycle/nsecond": 1.0}  # fmt: skip
+
+
+def step_of(side: str, shape: str):
+    """One training step's scan work on the shape's bench inputs: ours through autograd, or the
+    anchor's kernels called directly (its forward, then its backward)."""
+    from gpu_bench import fwd_bwd_step, leaf_args
+
+    from selective_scan import selective_scan_fn
+
+    x = make_bench_inputs(shape)
+    dout = torch.randn_like(x["u"])
+    if side == "ours":
+        leaves = leaf_args(x)
+        return lambda: fwd_bwd_step(selective_scan_fn, leaves, dout)
+    module = anchor.build()
+    if module is None:
+        raise SystemExit("the anchor cannot be built here")
+    args = anchor.anchor_inputs(x)
+    return lambda: anchor.forward_backward(module, args, dout)
+
+
+def run_step(side: str, shape: str) -> None:
+    """The child's work: warm up, then one step inside the profiled range."""
+    step = step_of(side, shape)
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+def number(value: str, unit: str):
+    """A raw CSV cell as a number in the summary's units (us, bytes, GHz), else the text."""
+    try:
+        v = float(value.replace(",", ""))
+    except ValueError:
+        return value
+    return v * UNIT_SCALE.get(unit, 1.0)
+
+
+def opcode_counts(cell: str) -> dict | str:
+    """sass__inst_executed_per_opcode's cell ("FADD 12; FMUL 34" or similar) as {opcode: n}."""
+    pairs = re.findall(r"([A-Z][A-Z0-9_.]*)\D+?([\d.,]+(?:[eE][+-]?\d+)?)", cell)
+    counts = {}
+    for op, n in pairs:
+        try:
+            counts[op] = float(n.replace(",", ""))
+        except ValueError:
+            return cell
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1])) or cell
+
+
+def summarise(names: list[str], units: list[str], row: list[str]) -> dict:
+    """The kept metrics of one kernel's raw row."""
+    cells = {n: (v, u) for n, v, u in zip(names, row, units, strict=False)}
+    out = {"kernel": cells.get("Kernel Name", ("?", ""))[0]}
+    for key, metric in NAMED.items():
+        if metric in cells:
+            out[key] = number(*cells[metric])
+    for key, pattern in GROUPS.items():
+        found = {m.group(1): number(*cells[n]) for n in names if (m := pattern.match(n))}
+        if found:
+            out[key] = found
+    if OPCODES in cells:
+        out["sass_opcodes"] = opcode_counts(cells[OPCODES][0])
+    return out
+
+
+def parse_raw_csv(text: str) -> list[dict]:
+    """Kernels of `ncu --import R --csv --page raw`: a header row, a units row, a row each."""
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    rows = list(csv.reader(io.StringIO("\n".join(lines))))
+    if len(rows) < 2:
+        return []
+    names, units = rows[0], rows[1]
+    return [summarise(names, units, row) for row in rows[2:]]
+
+
+def profile(side: str, shape: str, reports: Path, extra: tuple[str, ...]) -> dict:
+    """ncu on a child running `side`'s step at `shape`: {kernels, seconds} or {error}."""
+    report = reports / f"{side}_{shape}"
+    cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "-f", "-o", str(report)]
+    for section in SECTIONS:
+        cmd += ["--section", section]
+    if extra:
+        cmd += ["--metrics", ",".join(extra)]
+    cmd += [sys.executable, __file__, "--child", side, shape]
+    t0 = time.perf_counter()
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = round(time.perf_counter() - t0, 1)
+    log = (run.stdout + run.stderr)[-4000:]
+    if run.returncode != 0 or not report.with_suffix(".ncu-rep").exists():
+        return {"error": f"ncu exited {run.returncode}", "log": log, "seconds": seconds}
+    raw = subprocess.run(
+        ["ncu", "--import", str(report.with_suffix(".ncu-rep")), "--csv", "--page", "raw"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    kernels = parse_raw_csv(raw.stdout)
+    if not kernels:
+        return {"error": "no kernels in the report", "log": log + raw.stderr[-2000:]}
+    return {"kernels": kernels, "seconds": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--anchor", default="", help="shapes to profile the anchor's kernels at")
+    parser.add_argument("--out", default="ncu.json")
+    parser.add_argument("--reports", default=None, help="keep the .ncu-rep files here")
+    parser.add_argument("--child", nargs=2, metavar=("SIDE", "SHAPE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        run_step(*args.child)
+        return
+    reports = Path(args.reports or tempfile.mkdtemp())
+    reports.mkdir(parents=True, exist_ok=True)
+    build = None
+    if args.anchor:  # built (or found built) in the background while ours are profiled
+        build = subprocess.Popen([sys.executable, "-c", "import anchor; anchor.build()"],
+                                 cwd=Path(__file__).resolve().parent)  # fmt: skip
+    results = environment("cuda") | {
+        "commit": git_commit(),
+        "method": __doc__.split("\n\n", 2)[2].strip(),
+        "shapes": {},
+    }
+    extra = EXTRA_METRICS
+    runs = [("ours", s) for s in args.shapes.split(",")]
+    runs += [("anchor", s) for s in args.anchor.split(",") if s]
+    for side, shape in runs:
+        if side == "anchor":
+            build.wait()
+        found = profile(side, shape, reports, extra)
+        if "error" in found and extra and "metric" in found["log"].lower():
+            results["extra_metrics_dropped"] = list(extra)
+            extra = ()
+            found = profile(side, shape, reports, extra)
+        results["shapes"].setdefault(shape, {})[side] = found
+        kernels = len(found.get("kernels", []))
+        print(f"{side} {shape}: {found.get('seconds')} s, {kernels} kernels",
+              found.get("error", ""), flush=True)  # fmt: skip
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
