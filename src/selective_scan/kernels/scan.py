@@ -348,7 +348,8 @@ def launch_bwd(dout: Tensor, dlast_state: Tensor | None, args: ScanArgs, checkpo
         for local, grid, tiles in p.launches():
             # The cap is the full pass's (its grid, its kernel); the local pass is smaller.
             flags = dict(SOFTPLUS=args.delta_softplus, HAS_DLAST=dlast_state is not None,
-                         LOCAL=local, KEEP_STEPS=p.cfg["KEEP_STEPS"], ALIGN=align, **tiles,
+                         LOCAL=local, KEEP_STEPS=p.cfg["KEEP_STEPS"], ALIGN=align,
+                         RECOMPUTE_STAGES=p.cfg["RECOMPUTE_STAGES"], **tiles,
                          **({} if local else cap))  # fmt: skip
             p.launch(launchers, _scan_bwd_kernel, grid, tensors, scalars, flags, align_sizes)
             if local:

@@ -117,7 +117,7 @@ def _scan_bwd_kernel(
     HAS_H0: tl.constexpr, HAS_DLAST: tl.constexpr, VARLEN: tl.constexpr,
     B_VAR: tl.constexpr, C_VAR: tl.constexpr, ACC: tl.constexpr, FAST: tl.constexpr,
     STAGES: tl.constexpr, LOCAL: tl.constexpr, KEEP_STEPS: tl.constexpr,
-    WIDE: tl.constexpr, ALIGN: tl.constexpr,
+    WIDE: tl.constexpr, ALIGN: tl.constexpr, RECOMPUTE_STAGES: tl.constexpr,
 ):  # fmt: skip
     ALIGNED: tl.constexpr = ALIGN == 1  # see ALIGN in kernels/layout.py
     WHOLE: tl.constexpr = WIDE and ALIGNED  # load whole tiles (see tile_masks)
@@ -273,7 +273,7 @@ def _scan_bwd_kernel(
             # step): these [BD, 1, T] tiles meet no state tile, so Triton spreads them over all
             # lanes, where the recompute's and walk's layout repeats them on each of a
             # channel's state lanes.
-            for t0 in tl.range(lo, hi, T, num_stages=STAGES):
+            for t0 in tl.range(lo, hi, T, num_stages=RECOMPUTE_STAGES):
                 slot = ((t0 - c * CKPT) // T) * TILE_SLOTS
                 t = t0 + t_idx
                 m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WHOLE)
@@ -283,7 +283,7 @@ def _scan_bwd_kernel(
                 if SOFTPLUS:
                     tl.store(scratch_steps + slot + BD * T, dsp)
             tl.debug_barrier()
-        for t0 in tl.range(lo, hi, T, num_stages=STAGES):
+        for t0 in tl.range(lo, hi, T, num_stages=RECOMPUTE_STAGES):
             slot = ((t0 - c * CKPT) // T) * TILE_SLOTS
             tl.store(scratch_tile + slot, h)
             t = t0 + t_idx

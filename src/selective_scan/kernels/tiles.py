@@ -10,8 +10,8 @@ A tile dict holds: T steps per thread; the padded states split as NS lanes x NI 
 channels per thread; num_warps; BD, the tile's channel rows (CH * 32 / NS * num_warps: a whole
 warp's lanes); BLOCK, the channels a program covers (BD, or fewer for grouped B/C, see
 ``derive_block``); STAGES; LANES (the lanes kernel, scan_fwd_lanes.py); LOCAL_NS and FINER
-(the ranges' local pass and cut, see ``ranges``); PRE and EPI (forward), KEEP_STEPS and
-BF16_PARTS (backward). Why each value: docs/design.md, section 9.
+(the ranges' local pass and cut, see ``ranges``); PRE and EPI (forward), KEEP_STEPS,
+BF16_PARTS and RECOMPUTE_STAGES (backward). Why each value: docs/design.md, section 9.
 
 Decisions compare plain ints: symbolic sizes (torch.compile(dynamic=True), torch.export) are
 read through their hints (``size_hint``), which adds no guard, so a traced call takes the tiles
@@ -217,10 +217,13 @@ def bwd_tiles(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor) -> dict:
     (T = 8, float32 too; 4 in float64), 4 lanes a channel, for any length: longer tiles or
     fewer lanes spill. KEEP_STEPS for 16-bit inputs (delta and softplus' computed once a
     channel and step, then loaded from the scratch), a 2-lane local pass, dB/dC partials in
-    bfloat16 for bfloat16 B/C (BF16_PARTS, see scan.bc_part_dtype), ranges cut FINER 4."""
+    bfloat16 for bfloat16 B/C (BF16_PARTS, see scan.bc_part_dtype), ranges cut FINER 4. The
+    chunk's pass and recompute, loops too short to hide their loads' latency, prefetch
+    RECOMPUTE_STAGES - 1 tiles ahead; the tile walk STAGES - 1 (design §5)."""
     T = 8 if dtype.itemsize <= 4 else 4
     cfg = base_tiles(dim, dstate, B, C, T=T, NS=state_lanes(dstate, BWD, 4))
     return cfg | {"KEEP_STEPS": int(dtype.itemsize == 2), "FINER": 4, "BF16_PARTS": 1,
+                  "RECOMPUTE_STAGES": 5,
                   "LOCAL_NS": state_lanes(dstate, BWD_LOCAL, 2)}  # fmt: skip
 
 
