@@ -40,7 +40,14 @@ from selective_scan.kernels.launch import recording
 from selective_scan.kernels.range_entries import _range_entries_kernel
 from selective_scan.kernels.scan_bwd import _scan_bwd_kernel
 from selective_scan.kernels.scan_fwd import _scan_fwd_kernel
-from selective_scan.kernels.tiles import CKPT, DEFAULT_POLICY, MIN_RANGES, ranges, use_policy
+from selective_scan.kernels.tiles import (
+    CKPT,
+    DEFAULT_POLICY,
+    MIN_RANGES,
+    bwd_tiles,
+    ranges,
+    use_policy,
+)
 from selective_scan.scan_args import ScanArgs
 
 pytestmark = [
@@ -738,6 +745,17 @@ def test_wave_cap(programs, T, NP, eager, capped):
     u = types.SimpleNamespace(is_cuda=True, device="cuda:0")
     launchers = {} if eager else None  # the call's (see ScanPlan.direct)
     assert scan.wave_cap(p, u, launchers) == ({"maxnreg": 168} if capped else {})
+
+
+@pytest.mark.parametrize("dstate, deeper", [(4, True), (16, True), (32, False), (64, False)])
+def test_recompute_prefetch(dstate, deeper):
+    """The backward's chunk pass and recompute prefetch deeper than its tile walk up to 16
+    states, and as deep beyond: 64 states, 16 lanes of 4 (as many a lane as 16 states have),
+    lost 16% with the deeper prefetch (design §5)."""
+    B = torch.zeros(2, dstate, 64)
+    cfg = bwd_tiles(1536, dstate, torch.bfloat16, B, B)
+    assert (cfg["RECOMPUTE_STAGES"] > cfg["STAGES"]) == deeper
+    assert cfg["RECOMPUTE_STAGES"] >= cfg["STAGES"]
 
 
 @pytest.mark.parametrize(

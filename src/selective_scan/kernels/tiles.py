@@ -219,12 +219,12 @@ def bwd_tiles(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor) -> dict:
     channel and step, then loaded from the scratch), a 2-lane local pass, dB/dC partials in
     bfloat16 for bfloat16 B/C (BF16_PARTS, see scan.bc_part_dtype), ranges cut FINER 4. The
     chunk's pass and recompute, loops too short to hide their loads' latency, prefetch
-    RECOMPUTE_STAGES - 1 tiles ahead where a lane holds at most 4 states (with 16 of 64 states
+    RECOMPUTE_STAGES - 1 tiles ahead with up to 16 states (with 64 states, 16 lanes a channel,
     the deeper prefetch was 16% slower), the tile walk STAGES - 1 (design §5)."""
     T = 8 if dtype.itemsize <= 4 else 4
     cfg = base_tiles(dim, dstate, B, C, T=T, NS=state_lanes(dstate, BWD, 4))
     return cfg | {"KEEP_STEPS": int(dtype.itemsize == 2), "FINER": 4, "BF16_PARTS": 1,
-                  "RECOMPUTE_STAGES": 5 if cfg["NI"] <= 4 else 3,
+                  "RECOMPUTE_STAGES": 5 if cfg["NS"] * cfg["NI"] <= 16 else 3,
                   "LOCAL_NS": state_lanes(dstate, BWD_LOCAL, 2)}  # fmt: skip
 
 
