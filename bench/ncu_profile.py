@@ -1,6 +1,6 @@
 """Hardware counters of every kernel of a training step, ours and the anchor's (Nsight Compute).
 
-    python bench/ncu_profile.py [--shapes S1,S2,...] [--anchor S1,S8] [--out FILE] [--reports DIR]
+    python bench/ncu_profile.py [--shapes S1,S2,...] [--anchor S1,S8] [--source S1] [--out FILE]
 
 Per shape, a child process runs the public function's forward and backward through autograd
 (as gpu_bench.py's `fwd_bwd_ms`), or at the --anchor shapes mamba's `fwd` and `bwd` on the same
@@ -9,12 +9,16 @@ inputs (bench/anchor.py builds it), twice to warm up and once under `ncu --clock
 kernel in the range is profiled, each replayed for its sections: SpeedOfLight,
 ComputeWorkloadAnalysis, MemoryWorkloadAnalysis (and its tables), LaunchStats, Occupancy,
 SchedulerStats, WarpStateStats, InstructionStats. Kept per kernel: time, registers, grid, waves,
-occupancy, issue activity, warp instructions, executed SASS instructions per opcode (MUFU: the
-exponentials and other special functions), DRAM bytes, pipe and unit utilisation,
-shared-memory bank conflicts, and warp stall reasons in cycles per issued instruction
-(`stalls`). The .ncu-rep reports go to --reports when given. Kernel replay times each kernel
-alone with cold caches (ncu's default cache control), so `time_us` is a little above what the
-same kernel takes in a running step.
+occupancy, issue activity, warp instructions, XU (MUFU: exponentials and other special
+functions) instructions, DRAM bytes, pipe and unit utilisation, shared-memory wavefronts and
+bank conflicts, and warp stall reasons in cycles per issued instruction (`stalls`). At the
+--source shapes, the step's first backward kernel (at shapes cut into ranges, the local pass)
+is profiled again with SourceCounters: per source line of the kernels (Python, through the
+cubin's line table), the share of the warp state samples, their stall reasons, instructions
+executed and shared-memory wavefronts against the ideal (`source_lines`, the top lines by
+samples). The .ncu-rep reports go to --reports when given. Kernel replay times each kernel alone
+with cold caches (ncu's default cache control), so `time_us` is a little above what the same
+kernel takes in a running step.
 """
 
 from __future__ import annotations
@@ -83,7 +87,6 @@ GROUPS = {
         r"(l1tex__data_(?:bank_conflicts|pipe_lsu_wavefronts)_\w*shared\w*\.sum)$"
     ),
 }
-OPCODES = "sass__inst_executed_per_opcode"
 UNIT_SCALE = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "nsecond": 1e-3, "msecond": 1e3, "ms": 1e3,
               "byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12,
               "hz": 1e-9, "Khz": 1e-6, "Mhz": 1e-3, "Ghz": 1.0, "cycle/nsecond": 1.0}  # fmt: skip
@@ -129,18 +132,6 @@ def number(value: str, unit: str):
     return v * UNIT_SCALE.get(unit, 1.0)
 
 
-def opcode_counts(cell: str) -> dict | str:
-    """sass__inst_executed_per_opcode's cell ("FADD 12; FMUL 34" or similar) as {opcode: n}."""
-    pairs = re.findall(r"([A-Z][A-Z0-9_.]*)\D+?([\d.,]+(?:[eE][+-]?\d+)?)", cell)
-    counts = {}
-    for op, n in pairs:
-        try:
-            counts[op] = float(n.replace(",", ""))
-        except ValueError:
-            return cell
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1])) or cell
-
-
 def summarise(names: list[str], units: list[str], row: list[str]) -> dict:
     """The kept metrics of one kernel's raw row."""
     cells = {n: (v, u) for n, v, u in zip(names, row, units, strict=False)}
@@ -152,8 +143,6 @@ def summarise(names: list[str], units: list[str], row: list[str]) -> dict:
         found = {m.group(1): number(*cells[n]) for n in names if (m := pattern.match(n))}
         if found:
             out[key] = found
-    if OPCODES in cells:
-        out["sass_opcodes"] = opcode_counts(cells[OPCODES][0])
     return out
 
 
@@ -192,10 +181,76 @@ def profile(side: str, shape: str, reports: Path, extra: tuple[str, ...]) -> dic
     return {"kernels": kernels, "seconds": seconds}
 
 
+def _float(cell: str) -> float:
+    try:
+        return float(cell.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def parse_source_csv(text: str, top: int = 30) -> dict:
+    """Per source line of `ncu --import R --page source --csv --print-source cuda,sass`: each
+    file's "Line No" rows carry that line's totals over its SASS instructions. The `top` lines
+    by warp state samples, each with its share of the samples, stall reasons (share of the
+    line's samples, those over 5%), instructions executed and shared-memory wavefronts."""
+    lines, header, path = [], None, "?"
+    for row in csv.reader(io.StringIO(text)):
+        if len(row) >= 2 and row[0] == "File Path":
+            path = row[1].rsplit("/", 1)[-1]
+        elif row and row[0] == "Line No":
+            header = row
+        elif header and len(row) == len(header) and row[0] and row[2] == "-":
+            cells = dict(zip(header, row, strict=True))
+            cells["where"] = f"{path}:{row[0]}"
+            cells["code"] = row[1].strip()[:90]
+            lines.append(cells)
+    if not lines:
+        return {}
+    samples = "Warp Stall Sampling (All Samples)"
+    total = sum(_float(c[samples]) for c in lines)
+    reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
+    kept = []
+    for c in sorted(lines, key=lambda c: -_float(c[samples]))[:top]:
+        n = _float(c[samples]) or 1.0
+        stalls = {h[6:]: round(100 * _float(c[h]) / n) for h in reasons}
+        kept.append({
+            "line": c["where"], "code": c["code"],
+            "samples_pct": round(100 * _float(c[samples]) / total, 2),
+            "stalls_pct": {k: v for k, v in sorted(stalls.items(), key=lambda kv: -kv[1]) if v > 5},
+            "instructions": _float(c["Instructions Executed"]),
+            "shared_wavefronts": _float(c["L1 Wavefronts Shared"]),
+            "shared_wavefronts_ideal": _float(c["L1 Wavefronts Shared Ideal"]),
+        })  # fmt: skip
+    return {
+        "samples": total,
+        "instructions": sum(_float(c["Instructions Executed"]) for c in lines),
+        "shared_wavefronts": sum(_float(c["L1 Wavefronts Shared"]) for c in lines),
+        "lines": kept,
+    }
+
+
+def profile_source(shape: str, reports: Path) -> dict:
+    """ncu's SourceCounters of the first backward kernel of our step at `shape`."""
+    report = reports / f"source_{shape}"
+    cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "-k",
+           "regex:_scan_bwd_kernel", "-c", "1", "--section", "SourceCounters", "--section",
+           "WarpStateStats", "--import-source", "yes", "-f", "-o", str(report),
+           sys.executable, __file__, "--child", "ours", shape]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0 or not report.with_suffix(".ncu-rep").exists():
+        return {"error": f"ncu exited {run.returncode}", "log": (run.stdout + run.stderr)[-4000:]}
+    page = subprocess.run(
+        ["ncu", "--import", str(report.with_suffix(".ncu-rep")), "--page", "source", "--csv",
+         "--print-source", "cuda,sass"], capture_output=True, text=True,
+    )  # fmt: skip
+    return parse_source_csv(page.stdout) or {"error": "no source lines", "log": page.stderr}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--anchor", default="", help="shapes to profile the anchor's kernels at")
+    parser.add_argument("--source", default="", help="shapes to profile the backward by line at")
     parser.add_argument("--out", default="ncu.json")
     parser.add_argument("--reports", default=None, help="keep the .ncu-rep files here")
     parser.add_argument("--child", nargs=2, metavar=("SIDE", "SHAPE"), help=argparse.SUPPRESS)
@@ -229,6 +284,9 @@ def main() -> None:
         kernels = len(found.get("kernels", []))
         print(f"{side} {shape}: {found.get('seconds')} s, {kernels} kernels",
               found.get("error", ""), flush=True)  # fmt: skip
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    for shape in (s for s in args.source.split(",") if s):
+        results.setdefault("source_lines", {})[shape] = profile_source(shape, reports)
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.out}")
 
