@@ -270,7 +270,7 @@ def main() -> None:
         "shapes": {},
     }
     extra = EXTRA_METRICS
-    runs = [("ours", s) for s in args.shapes.split(",")]
+    runs = [("ours", s) for s in args.shapes.split(",") if s]
     runs += [("anchor", s) for s in args.anchor.split(",") if s]
     for side, shape in runs:
         if side == "anchor":

@@ -15,14 +15,17 @@
 #                host.log, host_trace.json.gz: a Chrome trace of five steps)
 #   train        bench/train_bench.py: layer and model training steps (train.json, train.log)
 #   decode, varlen    bench/decode_bench.py, bench/varlen_bench.py (decode.json, varlen.json)
+#   ncu          not by default: bench/ncu_profile.py, Nsight Compute's counters of every kernel
+#                of a training step (ncu.json, ncu.log; NCU_ARGS="--anchor S1 --source S1")
 # OUT_DIR also gets environment.txt (GPU, driver, torch, triton, Python, git commit). With the
 # bench stage and mamba's sources in bench/anchor_src (bench/anchor.py), the anchor builds in the
 # background from the start (anchor_build.log); the bench stage waits for it.
 #
 # Environment: STAGES, TESTS (pytest targets of the tests stage), PYTEST_ARGS, BENCH_ARGS,
-# HOST_ARGS, TRAIN_ARGS, DECODE_ARGS, VARLEN_ARGS (extra arguments), CONFORMANCE_WORKERS (8).
-# The *_ARGS are split at spaces, not parsed as shell words: quotes stay in the arguments, so an
-# empty value is written --extras= rather than --extras ''. Exits non-zero if a stage failed.
+# HOST_ARGS, TRAIN_ARGS, DECODE_ARGS, VARLEN_ARGS, NCU_ARGS (extra arguments),
+# CONFORMANCE_WORKERS (8). The *_ARGS are split at spaces, not parsed as shell words: quotes stay
+# in the arguments, so an empty value is written --extras= rather than --extras ''. Exits non-zero
+# if a stage failed.
 set -uo pipefail
 OUT_DIR="${1:-${OUT:-gpu_results}}"
 mkdir -p "$OUT_DIR"
@@ -93,6 +96,8 @@ for stage in $STAGES; do
             ${DECODE_ARGS:-} ;;
         varlen) run varlen "$OUT_DIR/bench.log" python3 bench/varlen_bench.py --out "$OUT_DIR" \
             ${VARLEN_ARGS:-} ;;
+        ncu) run ncu "$OUT_DIR/ncu.log" python3 bench/ncu_profile.py --out "$OUT_DIR/ncu.json" \
+            ${NCU_ARGS:-} ;;
         *) echo "unknown stage $stage"; failed=$((failed + 1)) ;;
     esac
 done
