@@ -57,7 +57,6 @@ EXTRA_METRICS = (
 # summary key: raw metric name
 NAMED = {
     "time_us": "gpu__time_duration.sum",
-    "sm_clock_ghz": "smsp__cycles_elapsed.avg.per_second",
     "registers": "launch__registers_per_thread",
     "grid": "launch__grid_size",
     "block": "launch__block_size",
@@ -87,9 +86,9 @@ GROUPS = {
         r"(l1tex__data_(?:bank_conflicts|pipe_lsu_wavefronts)_\w*shared\w*\.sum)$"
     ),
 }
-UNIT_SCALE = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "nsecond": 1e-3, "msecond": 1e3, "ms": 1e3,
-              "byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12,
-              "hz": 1e-9, "Khz": 1e-6, "Mhz": 1e-3, "Ghz": 1.0, "cycle/nsecond": 1.0}  # fmt: skip
+# Units of the summary's values (us, bytes), by the unit's numerator ("Kbyte" of "Kbyte/block").
+UNIT_SCALE = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6,
+              "byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}  # fmt: skip
 
 
 def step_of(side: str, shape: str):
@@ -124,12 +123,12 @@ def run_step(side: str, shape: str) -> None:
 
 
 def number(value: str, unit: str):
-    """A raw CSV cell as a number in the summary's units (us, bytes, GHz), else the text."""
+    """A raw CSV cell as a number in the summary's units (us, bytes), else the text."""
     try:
         v = float(value.replace(",", ""))
     except ValueError:
         return value
-    return v * UNIT_SCALE.get(unit, 1.0)
+    return v * UNIT_SCALE.get(unit.split("/")[0], 1.0)
 
 
 def summarise(names: list[str], units: list[str], row: list[str]) -> dict:
@@ -156,28 +155,38 @@ def parse_raw_csv(text: str) -> list[dict]:
     return [summarise(names, units, row) for row in rows[2:]]
 
 
+def run_ncu(report: Path, options: list[str], side: str, shape: str) -> dict | None:
+    """ncu with `options` on a child running `side`'s step at `shape`, its report written to
+    report.ncu-rep: None, or {error, log} where ncu failed."""
+    cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", *options, "-f",
+           "-o", str(report), sys.executable, __file__, "--child", side, shape]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0 or not report.with_suffix(".ncu-rep").exists():
+        return {"error": f"ncu exited {run.returncode}", "log": (run.stdout + run.stderr)[-4000:]}
+    return None
+
+
+def ncu_page(report: Path, *options: str) -> subprocess.CompletedProcess:
+    """`ncu --import report.ncu-rep --csv` with the page `options`."""
+    cmd = ["ncu", "--import", str(report.with_suffix(".ncu-rep")), "--csv", *options]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
 def profile(side: str, shape: str, reports: Path, extra: tuple[str, ...]) -> dict:
     """ncu on a child running `side`'s step at `shape`: {kernels, seconds} or {error}."""
     report = reports / f"{side}_{shape}"
-    cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "-f", "-o", str(report)]
-    for section in SECTIONS:
-        cmd += ["--section", section]
+    options = [arg for section in SECTIONS for arg in ("--section", section)]
     if extra:
-        cmd += ["--metrics", ",".join(extra)]
-    cmd += [sys.executable, __file__, "--child", side, shape]
+        options += ["--metrics", ",".join(extra)]
     t0 = time.perf_counter()
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    failed = run_ncu(report, options, side, shape)
     seconds = round(time.perf_counter() - t0, 1)
-    log = (run.stdout + run.stderr)[-4000:]
-    if run.returncode != 0 or not report.with_suffix(".ncu-rep").exists():
-        return {"error": f"ncu exited {run.returncode}", "log": log, "seconds": seconds}
-    raw = subprocess.run(
-        ["ncu", "--import", str(report.with_suffix(".ncu-rep")), "--csv", "--page", "raw"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+    if failed:
+        return failed | {"seconds": seconds}
+    raw = ncu_page(report, "--page", "raw")
     kernels = parse_raw_csv(raw.stdout)
     if not kernels:
-        return {"error": "no kernels in the report", "log": log + raw.stderr[-2000:]}
+        return {"error": "no kernels in the report", "log": raw.stderr[-2000:]}
     return {"kernels": kernels, "seconds": seconds}
 
 
@@ -232,17 +241,11 @@ def parse_source_csv(text: str, top: int = 30) -> dict:
 def profile_source(shape: str, reports: Path) -> dict:
     """ncu's SourceCounters of the first backward kernel of our step at `shape`."""
     report = reports / f"source_{shape}"
-    cmd = ["ncu", "--clock-control", "none", "--profile-from-start", "off", "-k",
-           "regex:_scan_bwd_kernel", "-c", "1", "--section", "SourceCounters", "--section",
-           "WarpStateStats", "--import-source", "yes", "-f", "-o", str(report),
-           sys.executable, __file__, "--child", "ours", shape]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    if run.returncode != 0 or not report.with_suffix(".ncu-rep").exists():
-        return {"error": f"ncu exited {run.returncode}", "log": (run.stdout + run.stderr)[-4000:]}
-    page = subprocess.run(
-        ["ncu", "--import", str(report.with_suffix(".ncu-rep")), "--page", "source", "--csv",
-         "--print-source", "cuda,sass"], capture_output=True, text=True,
-    )  # fmt: skip
+    options = ["-k", "regex:_scan_bwd_kernel", "-c", "1", "--section", "SourceCounters",
+               "--section", "WarpStateStats", "--import-source", "yes"]  # fmt: skip
+    if failed := run_ncu(report, options, "ours", shape):
+        return failed
+    page = ncu_page(report, "--page", "source", "--print-source", "cuda,sass")
     return parse_source_csv(page.stdout) or {"error": "no source lines", "log": page.stderr}
 
 
