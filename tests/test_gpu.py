@@ -412,11 +412,13 @@ def test_compiled_backward_launches_as_eager():
     """A compiled training step's backward makes the eager backward's launches (the backward op
     is opaque to the compiler, ops.py), the register cap included (kernels/scan.py, wave_cap),
     which Inductor's launches of a traced kernel cannot take. S1's size: 1536
-    backward programs, between 8 and 12 an SM on a 132-SM GPU. Launches are recorded on the
-    calling thread (a context variable; autograd's device thread would not see it)."""
+    backward programs, capped under a policy of 132 SMs (an H100's or H200's: between 8 and 12
+    programs an SM) whatever the GPU. Launches and the policy are per thread (context
+    variables; autograd's device thread would see neither): the backward runs on the calling
+    thread."""
     from selective_scan.kernels.launch import recording
-    from selective_scan.kernels.plan import _device_sm_count
     from selective_scan.kernels.scan_bwd import _scan_bwd_kernel
+    from selective_scan.kernels.tiles import DEFAULT_POLICY, use_policy
 
     inputs = make_inputs(device="cuda", batch=8, dim=1536, dstate=16, seqlen=2048,
                          dtype=torch.bfloat16)  # fmt: skip
@@ -429,21 +431,21 @@ def test_compiled_backward_launches_as_eager():
     def step(fn) -> tuple[list, list]:
         leaves = {k: v.detach().clone().requires_grad_(k in names) if torch.is_tensor(v) else v
                   for k, v in inputs.items()}  # fmt: skip
-        out = fn(leaves)
-        with torch.autograd.set_multithreading_enabled(False), recording(launch=True) as rec:
-            out.backward(dout)
+        with use_policy(policy):
+            out = fn(leaves)
+            with torch.autograd.set_multithreading_enabled(False), recording(launch=True) as rec:
+                out.backward(dout)
         kept = [(grid, kw.get("maxnreg"), kw["LOCAL"]) for kernel, grid, kw, _ in rec
                 if kernel is _scan_bwd_kernel]  # fmt: skip
         return kept, [leaves[k].grad for k in names]
 
+    policy = DEFAULT_POLICY.replace(sm_count=132)
     torch._dynamo.reset()
     compiled = torch.compile(scan, fullgraph=True, dynamic=True)
     step(compiled)  # compiles
     launches, grads = step(compiled)
     eager_launches, eager_grads = step(scan)
-    assert launches == eager_launches
-    if 8 * _device_sm_count(dout.device) < 1536 <= 12 * _device_sm_count(dout.device):
-        assert launches == [((1536, 1, 1), 168, False)]
+    assert launches == eager_launches == [((1536, 1, 1), 168, False)]
     for name, g, e in zip(names, grads, eager_grads, strict=True):
         assert rel_err(g, e) < 1e-3, name
 
