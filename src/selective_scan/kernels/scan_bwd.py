@@ -279,13 +279,13 @@ def _scan_bwd_kernel(
                 m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WHOLE)
                 dt, dsp = delta_tile(dt_row, t.to(tl.int64), s_dt, m, lm, bias, HAS_BIAS,
                                      SOFTPLUS, ACC, FAST, WHOLE)  # fmt: skip
-                tl.store(scratch_steps + slot, dt)
+                tl.store(scratch_steps + slot, dt, eviction_policy="evict_last")
                 if SOFTPLUS:
-                    tl.store(scratch_steps + slot + BD * T, dsp)
+                    tl.store(scratch_steps + slot + BD * T, dsp, eviction_policy="evict_last")
             tl.debug_barrier()
         for t0 in tl.range(lo, hi, T, num_stages=RECOMPUTE_STAGES):
             slot = ((t0 - c * CKPT) // T) * TILE_SLOTS
-            tl.store(scratch_tile + slot, h)
+            tl.store(scratch_tile + slot, h, eviction_policy="evict_last")
             t = t0 + t_idx
             t64 = t.to(tl.int64)
             m, lm = tile_masks(row_ok, t, start, end, seqlen, T, WHOLE)
