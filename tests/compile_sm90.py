@@ -3,8 +3,9 @@ arguments, or with "complex": true test_complex's complex_inputs arguments; dtyp
 prints one line per configuration, exits 1 if any failed. A configuration also fails when a
 kernel scans (tl.associative_scan, tl.cumsum) a tensor whose layout Triton got wrong on the
 H200 (see scan_layout_faults), with 16 states, when a tile kernel's PTX adds +0.0 (see
-ZERO_ADDITION), and when a real kernel's recurrence multiplies its carried value before adding
-it (see multiplied_carries).
+ZERO_ADDITION), when a real kernel's recurrence multiplies its carried value before adding
+it (see multiplied_carries), and when the backward's full pass stores its scratch without an L2
+evict_last policy (design §5).
 
 Run by test_sm90_compile.py in a process of its own: the compiler needs the real @triton.jit
 kernels, and the test session decorates them for the interpreter (TRITON_INTERPRET=1).
@@ -118,6 +119,9 @@ def compile_case(case: dict) -> list[str]:
             faults.append(f"adds +0.0 {len(ZERO_ADDITION.findall(ptx))} times")
         if real and (steps := multiplied_carries(ptx)):
             faults.append(f"multiplies the carry before adding it in {steps} steps")
+        full_bwd = kernel.__name__ == "_scan_bwd_kernel" and not kwargs["LOCAL"]
+        if full_bwd and "L2::evict_last" not in ptx:
+            faults.append("stores its scratch without an L2 evict_last policy")
         if faults:
             raise AssertionError(f"{name}: {'; '.join(faults)}")
         names.append(name)

@@ -186,6 +186,8 @@ def _scan_bwd_kernel(
     # Per tile of a chunk: the states entering it (BD * NP) and, with KEEP_STEPS, its delta and
     # softplus' (BD * T each), which the recompute and the tile walk load (step 0).
     TILE_SLOTS: tl.constexpr = BD * NP + 2 * BD * T * KEEP_STEPS
+    # Stored evict_last: read back within the chunk, it would otherwise leave L2 under the
+    # streamed inputs and outputs and come back from DRAM (design §5).
     scratch = scratch_ptr + (program * (CKPT // T)) * TILE_SLOTS
     scratch_tile = scratch + ch_local * NP + n  # [BD, NS, NI]
     scratch_steps = scratch + BD * NP + ch_local * T + t_idx  # [BD, 1, T]
