@@ -224,7 +224,7 @@ def bwd_tiles(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor) -> dict:
     T = 8 if dtype.itemsize <= 4 else 4
     cfg = base_tiles(dim, dstate, B, C, T=T, NS=state_lanes(dstate, BWD, 4))
     return cfg | {"KEEP_STEPS": int(dtype.itemsize == 2), "FINER": 4, "BF16_PARTS": 1,
-                  "RECOMPUTE_STAGES": 5 if dstate <= 16 else 3,
+                  "RECOMPUTE_STAGES": 5 if dstate <= 16 else cfg["STAGES"],
                   "LOCAL_NS": state_lanes(dstate, BWD_LOCAL, 2)}  # fmt: skip
 
 
