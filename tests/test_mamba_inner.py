@@ -92,6 +92,22 @@ def test_matches_float64_composition_with_every_gradient(options, checkpoint_lvl
         assert_close(f"grad of {name}", grad, expected_grads[name], 1e-5)
 
 
+@pytest.mark.parametrize("checkpoint_lvl", [0, 1])
+@pytest.mark.parametrize("options", CASES)
+def test_float64_calls_compute_in_float64(options, checkpoint_lvl):
+    """Float64 inputs keep float64 precision through every stage, the RMSNorms included (a
+    float32 norm put relative errors of 1e-7 into the output and every gradient)."""
+    inputs = make_inputs(**options, seed=5)
+    w_out = weights_for(inputs)
+    out, grads = grads_of(mamba_inner_fn, leaves(inputs, torch.float64), w_out,
+                          checkpoint_lvl=checkpoint_lvl)  # fmt: skip
+    expected, expected_grads = grads_of(mamba_inner_naive, leaves(inputs, torch.float64), w_out)
+    assert out.dtype == torch.float64
+    assert_close("out", out, expected, 1e-12)
+    for name, grad in grads.items():
+        assert_close(f"grad of {name}", grad, expected_grads[name], 1e-12)
+
+
 @pytest.mark.parametrize("options", CASES)
 def test_checkpoint_levels_give_the_same_gradients(options):
     inputs = make_inputs(**options, seed=3)

@@ -56,10 +56,12 @@ _RECOMPUTE_ALL_BUT_SCAN = functools.partial(
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm over the last dimension in float32, returned in x's dtype."""
-    xf = x.float()
+    """RMSNorm over the last dimension in float32 (float64 for float64 x), returned in x's
+    dtype."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(wide)
     xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
+    return (xf * weight.to(wide)).to(x.dtype)
 
 
 def _bc_columns(A: Tensor) -> int:
