@@ -285,6 +285,18 @@ def call_update(**changes):
         (call_fn(x=torch.randn(2, DIM, 0), initial_states=None), r"x must be non-empty"),
         (call_fn(weight=torch.randn(DIM, 4, device="meta")), r"weight is on meta but x is on cpu"),
         (call_fn(initial_states=torch.randn(2, DIM, 3, device="meta")), r"initial_states is on m"),
+        (
+            call_fn(return_final_states=True, final_states_out=torch.zeros(2, DIM, 3).long()),
+            r"final_states_out must have dtype in \(float32\), got int64",
+        ),
+        (
+            call_fn(return_final_states=True, final_states_out=torch.zeros(4, 2, DIM, 3)),
+            r"final_states_out must have 3 dimensions",
+        ),
+        (
+            call_fn(return_final_states=True, final_states_out=torch.zeros(2, DIM, 2)),
+            r"final_states_out must have shape \(batch, dim, width - 1\) = \(2, 6, 3\)",
+        ),
         (call_varlen(x=torch.randn(2, DIM, 9)), r"x must have shape \(1, dim, total_len\)"),
         (call_varlen(cu_seqlens=CU[:1]), r"cu_seqlens must have shape \(num_seqs \+ 1,\)"),
         (call_varlen(cu_seqlens=CU - 1), r"cu_seqlens must start at 0 and end at seqlen=9"),

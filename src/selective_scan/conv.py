@@ -110,7 +110,8 @@ def causal_conv1d_fn(
     sees earlier inputs with its own seq_idx (the others read as zero); initial_states:
     (batch, dim, width - 1), the inputs before x (zeros when None); activation None, "silu" or
     "swish". Returns out (batch, dim, seqlen) in x's dtype, and with return_final_states also
-    the last width - 1 inputs (batch, dim, width - 1), written into final_states_out when given.
+    the last width - 1 inputs (batch, dim, width - 1), written into final_states_out when given
+    (that shape, x's dtype and device).
     Differentiable in x, weight, bias and initial_states.
 
     As in the causal-conv1d package, seq_idx excludes initial and final states (a state does
@@ -120,6 +121,10 @@ def causal_conv1d_fn(
     _check_conv_inputs(fn, x, weight, bias, activation)
     batch, dim, seqlen = x.shape
     width = weight.shape[1]
+    if return_final_states and final_states_out is not None:
+        check_tensor("final_states_out", final_states_out, (3,), (x.dtype,), x.device, "x", fn)
+        check_shape(fn, "final_states_out", final_states_out, (batch, dim, width - 1),
+                    "(batch, dim, width - 1)")  # fmt: skip
     if initial_states is None:
         x_hist = F.pad(x, (width - 1, 0))
     else:
