@@ -297,6 +297,8 @@ def call_update(**changes):
             call_fn(return_final_states=True, final_states_out=torch.zeros(2, DIM, 2)),
             r"final_states_out must have shape \(batch, dim, width - 1\) = \(2, 6, 3\)",
         ),
+        (call_fn(return_final_states="no"), r"return_final_states must be a bool, got str"),
+        (call_varlen(return_final_states=1), r"return_final_states must be a bool, got int"),
         (call_varlen(x=torch.randn(2, DIM, 9)), r"x must have shape \(1, dim, total_len\)"),
         (call_varlen(cu_seqlens=CU[:1]), r"cu_seqlens must have shape \(num_seqs \+ 1,\)"),
         (call_varlen(cu_seqlens=CU - 1), r"cu_seqlens must start at 0 and end at seqlen=9"),

@@ -14,7 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._checks import check_cu_seqlens_values, check_non_empty, check_shape, check_tensor
+from ._checks import (
+    check_cu_seqlens_values,
+    check_flag,
+    check_non_empty,
+    check_shape,
+    check_tensor,
+)
 
 _ACTIVATIONS = (None, "silu", "swish")
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -119,6 +125,7 @@ def causal_conv1d_fn(
     """
     fn = "causal_conv1d_fn"
     _check_conv_inputs(fn, x, weight, bias, activation)
+    check_flag(fn, "return_final_states", return_final_states)
     batch, dim, seqlen = x.shape
     width = weight.shape[1]
     if return_final_states and final_states_out is not None:
@@ -218,6 +225,7 @@ def causal_conv1d_varlen_fn(
     initial_states. No host sync: cu_seqlens's values are only checked for eager CPU tensors.
     """
     _check_varlen_inputs(x, weight, bias, cu_seqlens, initial_states, activation)
+    check_flag("causal_conv1d_varlen_fn", "return_final_states", return_final_states)
     _, dim, seqlen = x.shape
     width = weight.shape[1]
     num_seqs = cu_seqlens.shape[0] - 1
