@@ -173,11 +173,15 @@ def _check_seq_idx(
         )
 
 
-def _check_varlen_inputs(x, weight, bias, cu_seqlens, initial_states, activation) -> None:
+def _check_varlen_inputs(
+    x, weight, bias, cu_seqlens, initial_states, return_final_states, activation
+) -> None:
     """x: (1, dim, total_len); cu_seqlens: (num_seqs + 1,) int32/int64 with num_seqs >= 1;
-    initial_states: (num_seqs, dim, state_len) with state_len >= width - 1."""
+    initial_states: (num_seqs, dim, state_len) with state_len >= width - 1; return_final_states a
+    bool."""
     fn = "causal_conv1d_varlen_fn"
     _check_conv_inputs(fn, x, weight, bias, activation)
+    check_flag(fn, "return_final_states", return_final_states)
     check_shape(fn, "x", x, (1, None, None), "(1, dim, total_len)")  # packed along seqlen
     check_tensor("cu_seqlens", cu_seqlens, (1,), dtypes=_INDEX_DTYPES, device=x.device,
                  ref="x", fn=fn)  # fmt: skip
@@ -224,8 +228,9 @@ def causal_conv1d_varlen_fn(
     that causal_conv1d_update continues from. Differentiable in x, weight, bias and
     initial_states. No host sync: cu_seqlens's values are only checked for eager CPU tensors.
     """
-    _check_varlen_inputs(x, weight, bias, cu_seqlens, initial_states, activation)
-    check_flag("causal_conv1d_varlen_fn", "return_final_states", return_final_states)
+    _check_varlen_inputs(
+        x, weight, bias, cu_seqlens, initial_states, return_final_states, activation
+    )
     _, dim, seqlen = x.shape
     width = weight.shape[1]
     num_seqs = cu_seqlens.shape[0] - 1
