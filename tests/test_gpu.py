@@ -82,6 +82,30 @@ def test_options_real_tiles(case):
     check_against_oracle(make_inputs(device="cuda", **case))
 
 
+TWO_CHANNEL_GRID = [
+    dict(seqlen=2048, dtype=torch.bfloat16),
+    dict(seqlen=2049, dtype=torch.float16, initial_state=True),  # padded rows
+    dict(seqlen=300, b_form="grouped", c_form="constant", groups=2, z=False),
+    dict(batch=1, seqlen=4096, dtype=torch.bfloat16, initial_state=True),  # ranges
+    # bfloat16 partials of 50 blocks a group
+    dict(dim=1600, seqlen=512, dtype=torch.bfloat16, b_form="grouped", groups=2),
+]
+
+
+@pytest.mark.parametrize(
+    "case", TWO_CHANNEL_GRID, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items())
+)
+def test_two_channel_backward(case):
+    """The backward's tiles of 2 channels a thread (tiles.two_channels), forced at sizes whose
+    oracle is quick, against float64: 16-bit and float32 inputs, padded rows, grouped and
+    constant B/C, ranges, bfloat16 partials of many blocks."""
+    from selective_scan.kernels.tiles import DEFAULT_POLICY, use_policy
+
+    case = dict(batch=2, dim=96, dstate=16) | case
+    with use_policy(DEFAULT_POLICY.replace(bwd_overrides={"CH": 2})):
+        check_against_oracle(make_inputs(device="cuda", **case))
+
+
 @pytest.mark.parametrize("dstate", [1, 4, 12, 32, 64, 256])
 def test_dstate(dstate):
     check_against_oracle(make_inputs(device="cuda", batch=2, dim=40, dstate=dstate, seqlen=333))
@@ -455,7 +479,8 @@ def test_wave_cap_changes_no_bit():
     compiled, not what it computes: S5's grid (4096 programs; 16 bfloat16 sequences of 1024
     steps, 2048 channels, B in 4 groups) gives the same gradients bit for bit capped and
     uncapped. The policies' SM counts decide it whatever the GPU: 132 (an H100's or H200's)
-    caps it, 512 (one wave of 8) does not."""
+    caps it, 512 (one wave of 8) does not. Forced to one channel a thread: with 132 SMs this
+    grid takes two (tiles.two_channels), which take no cap."""
     from selective_scan.kernels import scan
     from selective_scan.kernels.launch import recording
     from selective_scan.kernels.scan_bwd import _scan_bwd_kernel
@@ -473,8 +498,9 @@ def test_wave_cap_changes_no_bit():
         caps = [kw.get("maxnreg") for kernel, _, kw, _ in rec if kernel is _scan_bwd_kernel]
         return caps, grads
 
-    capped, grads = backward(DEFAULT_POLICY.replace(sm_count=132))
-    uncapped, plain = backward(DEFAULT_POLICY.replace(sm_count=4096 // 8))
+    one_channel = DEFAULT_POLICY.replace(bwd_overrides={"CH": 1})  # 2 take no cap
+    capped, grads = backward(one_channel.replace(sm_count=132))
+    uncapped, plain = backward(one_channel.replace(sm_count=4096 // 8))
     assert (capped, uncapped) == ([168], [None])
     for name, g, p in zip(("du", "ddelta", "dA", "dB", "dC", "dD", "dz", "ddelta_bias"), grads,
                           plain, strict=False):  # fmt: skip

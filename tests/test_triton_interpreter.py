@@ -110,6 +110,15 @@ CASES = {
     # the default for 16-bit inputs), in float32's tighter bound, across chunks and ranges.
     "pre-ranges-keep-steps": dict(batch=1, seqlen=300, dstate=8, initial_state=True,
                                   fwd_tiles={"PRE": 64}, bwd_tiles={"KEEP_STEPS": 1}),
+    # The backward's tiles of 2 channels a thread (tiles.two_channels, chosen on GPUs for grids
+    # that fill their waves): bfloat16 over ranges (whose local pass keeps 1 channel a thread)
+    # with B in groups of 16 channels; float32 with constant C and a block of 16 rows cut by
+    # the channel count.
+    "two-channel-ranges": dict(batch=1, dim=32, seqlen=400, dtype=torch.bfloat16, dstate=16,
+                               initial_state=True, b_form="grouped", groups=2,
+                               bwd_tiles={"CH": 2}),
+    "two-channel-float32": dict(dim=40, seqlen=136, dtype=torch.float32, dstate=16,
+                                c_form="constant", bwd_tiles={"CH": 2}),
     # The forward's epilogue on the steps each lane selects (EPI, the default of 2-lane tiles),
     # over ranges, with and without z, and over packed sequences (masks inside a lane's steps).
     "two-lane-epilogue": dict(batch=1, seqlen=300, dstate=8, initial_state=True,
@@ -724,27 +733,65 @@ def test_many_states_split_over_lanes(dstate):
 
 
 @pytest.mark.parametrize(
-    "programs, T, NP, eager, capped",
+    "programs, T, NP, CH, eager, capped",
     [
-        (1536, 8, 16, True, True),  # S1, S4: 1.45 waves of 8 per SM -> one wave of 12
-        (1056, 8, 16, True, False),  # one wave of 8 already
-        (2048, 8, 16, True, False),  # S2: 1.94 waves of 8, 1.29 of 12: two either way
-        (4096, 8, 16, True, True),  # S5: 3.88 waves of 8 -> 2.59 of 12
-        (2112, 8, 16, True, False),  # 16 programs an SM: two waves either way
-        (5120, 8, 16, True, True),  # S7: 4.85 waves of 8 -> 3.23 of 12
-        (1536, 4, 16, True, False),  # float64 tiles: not the kernel measured
-        (1536, 8, 8, True, False),  # 8 padded states: not the kernel measured
-        (1536, 8, 16, False, False),  # traced: wrap_triton takes no cap
+        (1536, 8, 16, 1, True, True),  # S1: 1.45 waves of 8 per SM -> one wave of 12
+        (1056, 8, 16, 1, True, False),  # one wave of 8 already
+        (2048, 8, 16, 1, True, False),  # 1.94 waves of 8, 1.29 of 12: two either way
+        (4096, 8, 16, 1, True, True),  # 3.88 waves of 8 -> 2.59 of 12
+        (2112, 8, 16, 1, True, False),  # 16 programs an SM: two waves either way
+        (5120, 8, 16, 1, True, True),  # S7: 4.85 waves of 8 -> 3.23 of 12
+        (1536, 4, 16, 1, True, False),  # float64 tiles: not the kernel measured
+        (1536, 8, 8, 1, True, False),  # 8 padded states: not the kernel measured
+        (1536, 8, 16, 2, True, False),  # 2 channels a thread: spills under the cap
+        (1536, 8, 16, 1, False, False),  # traced: wrap_triton takes no cap
     ],
 )
-def test_wave_cap(programs, T, NP, eager, capped):
+def test_wave_cap(programs, T, NP, CH, eager, capped):
     """The backward's register cap (eager launches on the GPU) only where it fits the grid of
     one-warp programs into fewer waves of 12 per SM than of 8 (kernels/scan.py, wave_cap)."""
-    p = types.SimpleNamespace(cfg=dict(T=T), NP=NP, n_blocks=programs // 8, num_states=8,
+    p = types.SimpleNamespace(cfg=dict(T=T, CH=CH), NP=NP, n_blocks=programs // 8, num_states=8,
                               n_ranges=1, policy=DEFAULT_POLICY.replace(sm_count=132))  # fmt: skip
     u = types.SimpleNamespace(is_cuda=True, device="cuda:0")
     launchers = {} if eager else None  # the call's (see ScanPlan.direct)
     assert scan.wave_cap(p, u, launchers) == ({"maxnreg": 168} if capped else {})
+
+
+@pytest.mark.parametrize(
+    "batch, dim, dstate, seqlen, groups, dtype, channels",
+    [
+        (8, 1536, 16, 2048, 1, torch.bfloat16, 1),  # S1: 768 programs of 2, a wave 0.73 full
+        (4, 4096, 16, 2048, 1, torch.bfloat16, 2),  # S2: 1024, 0.97
+        (1, 1536, 16, 16384, 1, torch.bfloat16, 1),  # S3: cut into ranges
+        (8, 1536, 16, 2048, 1, torch.float32, 2),  # S4: 0.73, no KEEP_STEPS
+        (16, 2048, 16, 1024, 4, torch.bfloat16, 2),  # S5: 2048, two waves 0.97 full
+        (1, 5120, 16, 256, 1, torch.bfloat16, 1),  # S6: cut into ranges
+        (8, 5120, 16, 2048, 1, torch.bfloat16, 1),  # S7: 2560, three waves 0.81 full
+        (8, 2048, 64, 2048, 1, torch.bfloat16, 1),  # S8: 64 states, not the tiles measured
+        (16, 2048, 16, 1024, 256, torch.bfloat16, 1),  # 8 channels a group: no 16-row blocks
+        (16, 2048, 16, 1024, 1, torch.float64, 1),  # float64 tiles (T = 4)
+        (16, 2048, 8, 1024, 1, torch.bfloat16, 1),  # 8 padded states
+    ],
+)
+def test_backward_two_channel_tiles(batch, dim, dstate, seqlen, groups, dtype, channels):
+    """The backward takes 2 channels a thread where its programs fill their waves of 8 an SM
+    (tiles.two_channels; 132 SMs, an H100's or H200's), 1 elsewhere; sequences cut into ranges
+    keep the ranges of 1 channel a thread. Packed sequences, and a device whose SMs the policy
+    cannot count (the interpreter's CPU tensors), keep 1."""
+    policy = DEFAULT_POLICY.replace(sm_count=132)
+    u = torch.empty(batch, dim, 1, dtype=dtype)
+    B = torch.empty(batch, groups, dstate, 1, dtype=dtype)
+
+    def tiles(policy, varlen=False) -> dict:
+        return policy.bwd(dim, dstate, dtype, B, B, batch, seqlen, varlen, (u, None, None))
+
+    cfg = tiles(policy)
+    ones = DEFAULT_POLICY.bwd(dim, dstate, dtype, B, B, batch, seqlen, False, ())
+    assert cfg["CH"] == channels
+    assert (cfg["BD"], cfg["BLOCK"]) == (ones["BD"] * channels, ones["BLOCK"] * channels)
+    assert ranges(cfg, batch, dim, seqlen, False, 2048) == ranges(ones, batch, dim, seqlen, False,
+                                                                  2048)  # fmt: skip
+    assert tiles(policy, varlen=True)["CH"] == tiles(DEFAULT_POLICY)["CH"] == 1
 
 
 @pytest.mark.parametrize("dstate, deeper", [(4, True), (16, True), (32, False), (64, False)])

@@ -82,17 +82,6 @@ def _device_has_pdl(device: torch.device) -> bool:
     )
 
 
-@functools.cache
-def _device_sm_count(device: torch.device) -> int:
-    """SMs of a GPU, asked once: the backward's register cap reads it on every eager call."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def sm_count(policy: TilePolicy, device: torch.device) -> int:
-    """SMs of the device, or the policy's count."""
-    return policy.sm_count if policy.sm_count is not None else _device_sm_count(device)
-
-
 class ScanPlan:
     """What the forward's (backward=False) or the backward's launchers derive from the inputs'
     layout and the tile policy. Built by ``plan``."""
@@ -121,8 +110,10 @@ class ScanPlan:
         self.n_blocks = cdiv(dim, cfg["BLOCK"])
         # The ranges' local pass may split the states over other lanes (LOCAL_NS): its results
         # are indexed by channel and state, whatever the layout that computed them.
+        # One channel a thread, whatever the full pass's tiles (tiles.two_channels).
         local_ns = min(cfg["LOCAL_NS"], self.NP)
-        self.local_tiles = derive_block(dict(cfg, NS=local_ns, NI=self.NP // local_ns), dim, B, C)
+        self.local_tiles = derive_block(dict(cfg, NS=local_ns, NI=self.NP // local_ns, CH=1),
+                                        dim, B, C)  # fmt: skip
         self.n_ranges, range_len = ranges(cfg, self.num_states, dim, seqlen, varlen,
                                           policy.target_warps)  # fmt: skip
         T = cfg["T"]

@@ -30,12 +30,12 @@ from .common import cdiv, sym_min
 from .grad_sums import GRAD_SUM_ELEMENTS, _grad_sums_kernel
 from .launch import launch_kernel
 from .layout import bc_tiles, launch_bc_blocks, new_rows, restaged, staged, unpadded
-from .plan import ScanPlan, plan, sm_count
+from .plan import ScanPlan, plan
 from .range_entries import _range_entries_kernel
 from .scan_bwd import _scan_bwd_kernel
 from .scan_fwd import _scan_fwd_kernel
 from .scan_fwd_lanes import _scan_fwd_lanes_kernel
-from .tiles import CKPT, LANES_STEPS, TilePolicy, current_policy
+from .tiles import BWD_PROGRAMS_PER_SM, CKPT, LANES_STEPS, TilePolicy, current_policy, sm_count
 
 __all__ = ["CKPT", "scan_bwd", "scan_bwd_autograd", "scan_fwd"]
 
@@ -137,17 +137,18 @@ def launch_fwd(args: ScanArgs, policy: TilePolicy) -> tuple[Tensor, Tensor, Tens
 
 def wave_cap(p: ScanPlan, u: Tensor, launchers) -> dict:
     """A register cap for the backward's full launch in an eager call on a GPU, where it fits
-    the grid into fewer waves: the usual backward kernel (T = 8, 16 padded states) takes 254
-    registers, 8 one-warp programs an SM; capped at 168 (16 bytes of stack), 12. A wave of 12
-    takes longer than one of 8 (S2: two of each, 1.60 against 1.38 ms), so only a grid that
-    needs fewer of them gains (S1's 1.45 waves of 8 become one, S5's 3.9 three: 1.35 against
-    1.40 ms; S7's 4.9 four: equal; design §9). Only for direct launches: wrap_triton takes no
-    register cap."""
-    if launchers is None or "maxnreg" in p.cfg or (p.cfg["T"], p.NP) != (8, 16):
+    the grid into fewer waves: the usual backward kernel (T = 8, 16 padded states, one channel
+    a thread) takes 254 registers, 8 one-warp programs an SM; capped at 168 (16 bytes of stack),
+    12. A wave of 12 takes longer than one of 8 (S2: two of each, 1.60 against 1.38 ms), so only
+    a grid that needs fewer of them gains (S1's 1.45 waves of 8 become one, S5's 3.9 three: 1.35
+    against 1.40 ms; S7's 4.9 four: equal; design §9). Only for direct launches: wrap_triton
+    takes no register cap."""
+    if launchers is None or "maxnreg" in p.cfg or (p.cfg["T"], p.NP, p.cfg["CH"]) != (8, 16, 1):
         return {}
     sms = sm_count(p.policy, u.device)
     programs = p.n_blocks * p.num_states * p.n_ranges
-    return {"maxnreg": 168} if cdiv(programs, 12 * sms) < cdiv(programs, 8 * sms) else {}
+    capped = cdiv(programs, 12 * sms) < cdiv(programs, BWD_PROGRAMS_PER_SM * sms)
+    return {"maxnreg": 168} if capped else {}
 
 
 def backward_align(p: ScanPlan, dout: Tensor) -> tuple[int, tuple]:

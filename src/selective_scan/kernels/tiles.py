@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
+import os
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -42,6 +44,10 @@ LANES_STEPS = (16, 16)  # the lanes kernel: lanes a channel, steps a lane (scan_
 # backward (4 at 64 and 128), which keeps compile times and registers bounded (design §9).
 STATE_LANES = {32: (2, 2, 4, 4), 64: (4, 4, 16, 8), 128: (8, 8, 32, 16), 256: (32, 32, 32, 32)}
 FWD, FWD_LOCAL, BWD, BWD_LOCAL = range(4)
+
+# The backward's one-warp programs of 16 padded states an SM holds uncapped (about 255
+# registers); scan.wave_cap caps them to fit 12.
+BWD_PROGRAMS_PER_SM = 8
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -88,8 +94,10 @@ class TilePolicy:
 
     def bwd(self, dim, dstate, dtype, B, C, num_states=1, seqlen=None, varlen=False,
             rows=()) -> dict:  # fmt: skip
-        """The backward's tiles (bwd_tiles), with bwd_overrides applied."""
+        """The backward's tiles (bwd_tiles, or where they pay ``two_channels``'), with
+        bwd_overrides applied."""
         cfg = bwd_tiles(dim, dstate, dtype, B, C)
+        cfg = two_channels(self, cfg, dim, B, C, num_states, seqlen, varlen, rows) or cfg
         return _overridden(cfg, self.bwd_overrides, dim, B, C)
 
     def uses_fast_math(self, u: Tensor, cdt: torch.dtype) -> bool:
@@ -101,6 +109,19 @@ class TilePolicy:
 
 
 DEFAULT_POLICY = TilePolicy()
+
+
+@functools.cache
+def _device_sm_count(device: torch.device) -> int:
+    """SMs of a GPU, asked once: eager calls read it on every call."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def sm_count(policy: TilePolicy, device: torch.device) -> int:
+    """SMs of the device, or the policy's count."""
+    return policy.sm_count if policy.sm_count is not None else _device_sm_count(device)
+
+
 _ACTIVE = contextvars.ContextVar("selective_scan_tile_policy", default=DEFAULT_POLICY)
 
 
@@ -228,6 +249,34 @@ def bwd_tiles(dim, dstate, dtype: torch.dtype, B: Tensor, C: Tensor) -> dict:
                   "LOCAL_NS": state_lanes(dstate, BWD_LOCAL, 2)}  # fmt: skip
 
 
+def two_channels(policy: TilePolicy, cfg: dict, dim, B: Tensor, C: Tensor, num_states, seqlen,
+                 varlen: bool, rows=()) -> dict | None:  # fmt: skip
+    """The backward's tiles of 2 channels a thread (CH 2: 16 channels a warp, which Triton lays
+    2 lanes a channel, 8 states a thread) where they replace ``cfg``'s 1, else None (design
+    §9). They repeat a channel's per-step work on half as many lanes and write half the dB/dC
+    partials, but make half the programs, 8 an SM (their 255 registers take no wave cap): they
+    pay where those fill their last wave, to 0.9 with KEEP_STEPS (16-bit inputs), to 0.7
+    without (float32). Only for the measured tiles (T = 8, 16 padded states), a GPU's launch of
+    one range (packed sequences not measured), and blocks of 16 channels of one B/C group."""
+    u = rows[0] if rows else None
+    dims, states, length = size_hint(dim), size_hint(num_states), size_hint(seqlen)
+    if (cfg["T"], cfg["NS"] * cfg["NI"], cfg["CH"], cfg["num_warps"]) != (8, 16, 1, 1):
+        return None
+    if varlen or None in (dims, states, length) or u is None:
+        return None
+    if policy.sm_count is None and (not u.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return None
+    wide = derive_block(cfg | {"CH": 2}, dim, B, C)
+    if size_hint(wide["BLOCK"]) != wide["BD"]:  # a B/C group's channels fill no 16-row block
+        return None
+    if ranges(cfg, states, dims, length, varlen, policy.target_warps)[0] > 1:
+        return None
+    slots = BWD_PROGRAMS_PER_SM * sm_count(policy, u.device)
+    programs = states * cdiv(dims, wide["BD"])
+    fill = programs / (cdiv(programs, slots) * slots)
+    return wide if fill >= (0.9 if cfg["KEEP_STEPS"] else 0.7) else None
+
+
 def lanes_fit(policy: TilePolicy, dtype: torch.dtype, B: Tensor, C: Tensor, seqlen,
               varlen: bool, rows=()) -> bool:  # fmt: skip
     """Whether the forward may take the lanes kernel (scan_fwd_lanes.py): a known length of at
@@ -267,7 +316,9 @@ def ranges(cfg: dict, num_states, dim, seqlen, varlen: bool, target_warps: int) 
     chunks = cdiv(seqlen, CKPT)
     if varlen:
         return 1, chunks * CKPT
-    warps = num_states * cdiv(dim, cfg["BLOCK"]) * cfg["num_warps"]
+    # Counted in warps of one channel a thread: the backward's 2-channel tiles cut as its
+    # 1-channel ones would.
+    warps = num_states * cdiv(dim, cfg["BLOCK"]) * cfg["num_warps"] * cfg["CH"]
     factor = 1 + (cfg["FINER"] - 1) * sym_min(1, target_warps // warps // 2)
     wanted = sym_min(chunks, factor * target_warps // warps)
     wanted = sym_max(1, wanted * sym_min(1, wanted // MIN_RANGES))
