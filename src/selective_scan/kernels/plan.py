@@ -109,8 +109,8 @@ class ScanPlan:
         self.NP = cfg["NS"] * cfg["NI"]
         self.n_blocks = cdiv(dim, cfg["BLOCK"])
         # The ranges' local pass may split the states over other lanes (LOCAL_NS): its results
-        # are indexed by channel and state, whatever the layout that computed them.
-        # One channel a thread, whatever the full pass's tiles (tiles.two_channels).
+        # are indexed by channel and state, whatever the layout that computed them. It keeps one
+        # channel a thread where the full pass takes two (tiles.two_channels).
         local_ns = min(cfg["LOCAL_NS"], self.NP)
         self.local_tiles = derive_block(dict(cfg, NS=local_ns, NI=self.NP // local_ns, CH=1),
                                         dim, B, C)  # fmt: skip
