@@ -762,10 +762,11 @@ def test_wave_cap(programs, T, NP, CH, eager, capped):
     [
         (8, 1536, 16, 2048, 1, torch.bfloat16, 1),  # S1: 768 programs of 2, a wave 0.73 full
         (4, 4096, 16, 2048, 1, torch.bfloat16, 2),  # S2: 1024, 0.97
-        (1, 1536, 16, 16384, 1, torch.bfloat16, 1),  # S3: cut into ranges
+        (1, 1536, 16, 16384, 1, torch.bfloat16, 2),  # S3: 96 programs x 32 ranges, 0.97
+        (1, 5120, 16, 1024, 1, torch.bfloat16, 1),  # 320 programs x 8 ranges, 0.81
         (8, 1536, 16, 2048, 1, torch.float32, 2),  # S4: 0.73, no KEEP_STEPS
         (16, 2048, 16, 1024, 4, torch.bfloat16, 2),  # S5: 2048, two waves 0.97 full
-        (1, 5120, 16, 256, 1, torch.bfloat16, 1),  # S6: cut into ranges
+        (1, 5120, 16, 256, 1, torch.bfloat16, 1),  # S6: 320 programs, 0.30
         (8, 5120, 16, 2048, 1, torch.bfloat16, 1),  # S7: 2560, three waves 0.81 full
         (8, 2048, 64, 2048, 1, torch.bfloat16, 1),  # S8: 64 states, not the tiles measured
         (16, 2048, 16, 1024, 256, torch.bfloat16, 1),  # 8 channels a group: no 16-row blocks
@@ -775,8 +776,8 @@ def test_wave_cap(programs, T, NP, CH, eager, capped):
 )
 def test_backward_two_channel_tiles(batch, dim, dstate, seqlen, groups, dtype, channels):
     """The backward takes 2 channels a thread where its programs fill their waves of 8 an SM
-    (tiles.two_channels; 132 SMs, an H100's or H200's), 1 elsewhere; sequences cut into ranges
-    keep the ranges of 1 channel a thread. Packed sequences, and a device whose SMs the policy
+    (tiles.two_channels; 132 SMs, an H100's or H200's), a program a range, 1 elsewhere;
+    sequences cut into ranges keep the ranges of 1 channel a thread. Packed sequences, and a device whose SMs the policy
     cannot count (the interpreter's CPU tensors), keep 1."""
     policy = DEFAULT_POLICY.replace(sm_count=132)
     u = torch.empty(batch, dim, 1, dtype=dtype)

@@ -256,8 +256,9 @@ def two_channels(policy: TilePolicy, cfg: dict, dim, B: Tensor, C: Tensor, num_s
     §9). They repeat a channel's per-step work on half as many lanes and write half the dB/dC
     partials, but make half the programs, 8 an SM (their 255 registers take no wave cap): they
     pay where those fill their last wave, to 0.9 with KEEP_STEPS (16-bit inputs), to 0.7
-    without (float32). Only for the measured tiles (T = 8, 16 padded states), a GPU's launch of
-    one range (packed sequences not measured), and blocks of 16 channels of one B/C group."""
+    without (float32), a program a range where sequences are cut (their local pass keeps 1).
+    Only for the measured tiles (T = 8, 16 padded states), a GPU's launch without packed
+    sequences (not measured), and blocks of 16 channels of one B/C group."""
     u = rows[0] if rows else None
     dims, states, length = size_hint(dim), size_hint(num_states), size_hint(seqlen)
     if (cfg["T"], cfg["NS"] * cfg["NI"], cfg["CH"], cfg["num_warps"]) != (8, 16, 1, 1):
@@ -269,10 +270,9 @@ def two_channels(policy: TilePolicy, cfg: dict, dim, B: Tensor, C: Tensor, num_s
     wide = derive_block(cfg | {"CH": 2}, dim, B, C)
     if size_hint(wide["BLOCK"]) != wide["BD"]:  # a B/C group's channels fill no 16-row block
         return None
-    if ranges(cfg, states, dims, length, varlen, policy.target_warps)[0] > 1:
-        return None
+    n_ranges = ranges(cfg, states, dims, length, varlen, policy.target_warps)[0]
     slots = BWD_PROGRAMS_PER_SM * sm_count(policy, u.device)
-    programs = states * cdiv(dims, wide["BD"])
+    programs = states * cdiv(dims, wide["BD"]) * n_ranges
     fill = programs / (cdiv(programs, slots) * slots)
     return wide if fill >= (0.9 if cfg["KEEP_STEPS"] else 0.7) else None
 
