@@ -777,8 +777,8 @@ def test_wave_cap(programs, T, NP, CH, eager, capped):
 def test_backward_two_channel_tiles(batch, dim, dstate, seqlen, groups, dtype, channels):
     """The backward takes 2 channels a thread where its programs fill their waves of 8 an SM
     (tiles.two_channels; 132 SMs, an H100's or H200's), a program a range, 1 elsewhere;
-    sequences cut into ranges keep the ranges of 1 channel a thread. Packed sequences, and a device whose SMs the policy
-    cannot count (the interpreter's CPU tensors), keep 1."""
+    sequences cut into ranges keep the ranges of 1 channel a thread. Packed sequences, and a
+    device whose SMs the policy cannot count (the interpreter's CPU tensors), keep 1."""
     policy = DEFAULT_POLICY.replace(sm_count=132)
     u = torch.empty(batch, dim, 1, dtype=dtype)
     B = torch.empty(batch, groups, dstate, 1, dtype=dtype)
